@@ -1,0 +1,30 @@
+"""LLM.int8 row-wise weight quantization (bitsandbytes' Int8Params), reference in pure JAX."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jqlora.quant.weights import Int8Weight
+
+# bitsandbytes multiplies by this constant instead of dividing by 127 (int8_vectorwise_dequant).
+INV_127 = 7.874015718698502e-3
+
+
+def quantize_int8(w: jax.Array, threshold: float = 0.0) -> Int8Weight:
+    """Quantize a (out, in) weight like bitsandbytes: cast to float16 first, then per row
+    SCB = max|w|, CB = round_half_even(w * (127 / SCB)). An all-zero row gives CB = 0
+    (bitsandbytes leaves that case undefined)."""
+    w = jnp.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"int8 quantization takes a 2-D (out, in) weight, got shape {w.shape}")
+    w16 = w.astype(jnp.float16).astype(jnp.float32)
+    scb = jnp.max(jnp.abs(w16), axis=1)
+    scaled = w16 * (jnp.float32(127.0) / scb[:, None])
+    cb = jnp.where(scb[:, None] > 0, jnp.round(scaled), 0.0).astype(jnp.int8)
+    return Int8Weight(cb=cb, scb=scb, threshold=float(threshold), stored_dtype=np.dtype(w.dtype).name)
+
+
+def dequantize_int8(q: Int8Weight, dtype=jnp.float32) -> jax.Array:
+    """CB * SCB * (1/127) in fp32, then one rounding to dtype (as transformers/PEFT dequantize)."""
+    return (q.cb.astype(jnp.float32) * q.scb[:, None] * jnp.float32(INV_127)).astype(dtype)

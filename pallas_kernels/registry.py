@@ -1,0 +1,36 @@
+"""Named kernel variants: one place that lists every kernel, so tests and benchmarks cover all.
+
+A new variant is one file (kernel + jnp reference) plus one entry in `ALL_VARIANTS`.
+The tuple is immutable; nothing registers itself at import time.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+# Operations a variant can implement, with the call signature each one has:
+#   "matmul_4bit":     fn(x (M,K), packed (N,K//2) u8, absmax (N,K//bs) f32, code (16,) f32,
+#                         *, blocksize, out_dtype, interpret) -> (M,N)      y = x @ dequant(W).T
+#   "matmul_4bit_t":   fn(dy (M,N), packed, absmax, code, *, blocksize, out_dtype, interpret) -> (M,K)
+#                                                                          dx = dy @ dequant(W)
+#   "dequantize_4bit": fn(packed, absmax, code, *, blocksize, out_dtype, interpret) -> (N,K)
+#   "matmul_int8":     fn(x (M,K), cb (N,K) i8, scb (N,) f32, *, out_dtype, interpret) -> (M,N)
+#   "matmul_int8_t":   fn(dy (M,N), cb, scb, *, out_dtype, interpret) -> (M,K)
+#   "llm_int8":        fn(x (M,K), cb, scb, *, threshold, out_dtype, interpret) -> (M,N)
+OPS = ("matmul_4bit", "matmul_4bit_t", "dequantize_4bit", "matmul_int8", "matmul_int8_t", "llm_int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A named kernel implementing one op; `supports(m, n, k, blocksize)` says which shapes it takes."""
+
+    name: str
+    op: str
+    fn: Callable
+    reference: Callable
+    supports: Callable[[int, int, int, int], bool]
+    description: str = ""
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"variant {self.name!r}: unknown op {self.op!r}; expected one of {OPS}")
