@@ -34,3 +34,41 @@ class Variant:
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"variant {self.name!r}: unknown op {self.op!r}; expected one of {OPS}")
+
+
+# One entry per kernel module; a module lists its own variants in `VARIANTS`.
+_MODULES = (
+    "pallas_kernels.dequantize_4bit",
+    "pallas_kernels.matmul_4bit",
+    "pallas_kernels.matmul_4bit_small_m",
+    "pallas_kernels.matmul_4bit_t",
+    "pallas_kernels.matmul_int8",
+    "pallas_kernels.matmul_llm_int8",
+)
+
+
+def all_variants() -> tuple[Variant, ...]:
+    """Every registered variant, in a stable order (imports the kernel modules on first use)."""
+    import importlib
+
+    out: list[Variant] = []
+    for mod in _MODULES:
+        out.extend(importlib.import_module(mod).VARIANTS)
+    names = [v.name for v in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"duplicate kernel variant names: {sorted(dup)}")
+    return tuple(out)
+
+
+def for_op(op: str) -> tuple[Variant, ...]:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    return tuple(v for v in all_variants() if v.op == op)
+
+
+def get(name: str) -> Variant:
+    for v in all_variants():
+        if v.name == name:
+            return v
+    raise KeyError(f"no kernel variant named {name!r}; known: {[v.name for v in all_variants()]}")

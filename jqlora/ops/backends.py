@@ -1,0 +1,107 @@
+"""Which implementation computes a quantized product: the jnp reference ("xla") or a Pallas kernel.
+
+A `Plan` is a small hashable record chosen once per call from the backend name, the weight's
+format and the row count M. It is static (a nondiff argument of the custom_vjp), so a traced
+function never decides anything at run time and no state is kept between calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+
+from jqlora.quant import Int8Weight, Weight4bit
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "pallas", "interpret", "xla")
+SMALL_M = 64  # at or below this many rows the product is bandwidth-bound: stream the weight once
+
+# Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
+DEFAULT_4BIT_FWD_LARGE = "fused_tiled"
+DEFAULT_4BIT_FWD_SMALL = "splitk_small_m"
+DEFAULT_4BIT_BWD = "fused_tiled_t"
+DEFAULT_INT8_FWD = "int8_weight_only"
+DEFAULT_INT8_BWD = "int8_weight_only_t"
+DEFAULT_LLM_INT8 = "llm_int8_tiled"
+
+
+class BackendError(ValueError):
+    """The requested backend cannot compute this product (shape, format or platform)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    backend: str  # "xla", "pallas" or "interpret"
+    fwd: str | None = None  # kernel variant names (None for xla)
+    bwd: str | None = None
+
+    @property
+    def interpret(self) -> bool:
+        return self.backend == "interpret"
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _kernel_shape_problem(q) -> str | None:
+    if isinstance(q, Weight4bit):
+        if len(q.shape) != 2:
+            return f"the 4-bit kernels take a 2-D weight, this one has shape {q.shape}"
+        k = q.shape[1]
+        if k % 2 or k % q.blocksize:
+            return (f"the 4-bit kernels need in_features ({k}) to be even and a multiple of the "
+                    f"blocksize ({q.blocksize}) so that blocks do not span rows")
+    return None
+
+
+def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
+    if isinstance(q, Weight4bit):
+        return (DEFAULT_4BIT_FWD_SMALL if m <= SMALL_M else DEFAULT_4BIT_FWD_LARGE), DEFAULT_4BIT_BWD
+    if numerics == "llm_int8":
+        return DEFAULT_LLM_INT8, DEFAULT_INT8_BWD
+    return DEFAULT_INT8_FWD, DEFAULT_INT8_BWD
+
+
+def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics: str = "weight_only") -> Plan:
+    """Resolve `backend` for weight `q` and M rows. Explicit backends never fall back silently."""
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if not isinstance(q, (Weight4bit, Int8Weight)):
+        if backend in ("pallas", "interpret"):
+            raise BackendError(f"backend {backend!r} has kernels only for quantized weights; a dense weight uses 'xla'")
+        return Plan("xla")
+    if backend == "xla":
+        return Plan("xla")
+    problem = _kernel_shape_problem(q)
+    if backend == "auto":
+        if not on_gpu():
+            return Plan("xla")
+        if problem:
+            log.debug("qmatmul auto backend: falling back to xla: %s", problem)
+            return Plan("xla")
+        backend = "pallas"
+    elif problem:
+        raise BackendError(f"backend {backend!r}: {problem}")
+    if backend == "pallas" and not on_gpu():
+        raise BackendError("backend 'pallas' needs a GPU; use 'interpret' to run the kernels on CPU, or 'xla'")
+    fwd, bwd = _variants_for(q, m, numerics)
+    if variant is not None:
+        fwd = variant
+    _check_variant(fwd, q, m)
+    return Plan(backend, fwd, bwd)
+
+
+def _check_variant(name: str, q, m: int) -> None:
+    from pallas_kernels import registry
+
+    v = registry.get(name)
+    n, k = q.shape[0], q.shape[-1]
+    bs = q.blocksize if isinstance(q, Weight4bit) else 0
+    want = "matmul_4bit" if isinstance(q, Weight4bit) else ("matmul_int8", "llm_int8")
+    if v.op not in (want if isinstance(want, tuple) else (want,)):
+        raise BackendError(f"kernel variant {name!r} implements {v.op!r}, not a product with this weight")
+    if not v.supports(m, n, k, bs):
+        raise BackendError(f"kernel variant {name!r} does not support M={m}, N={n}, K={k}, blocksize={bs}")

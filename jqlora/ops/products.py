@@ -1,0 +1,72 @@
+"""The two products a quantized linear layer needs, y = x @ W.T and dx = dy @ W, per backend.
+
+Both take 2-D operands already in the compute dtype and accumulate in float32. The xla backend
+dequantizes with the jnp reference (a transient dense weight inside one function, never saved);
+the kernel backends hand the packed bytes and scales to a Pallas variant from the registry.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jqlora.ops.backends import Plan
+from jqlora.quant import Int8Weight, Weight4bit, absmax_f32, dequantize
+
+_F32 = jnp.float32
+
+
+def acc_dtype(*arrays):
+    """Accumulation dtype: float32, or float64 when an operand is float64 (gradient checks)."""
+    return jnp.result_type(_F32, *(a.dtype for a in arrays))
+
+
+def _dot_nt(a, b):
+    """a @ b.T with float32 (or wider) accumulation, without materializing b.T."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=acc_dtype(a, b))
+
+
+def _dot_nn(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype(a, b))
+
+
+def kernel_operands_4bit(q: Weight4bit):
+    """Packed bytes as (N, K/2) and fp32 scales as (N, K/bs): free reshapes of bitsandbytes' layout."""
+    n, k = q.shape
+    return q.packed.reshape(n, k // 2), absmax_f32(q).reshape(n, k // q.blocksize)
+
+
+def _variant(name: str):
+    from pallas_kernels import registry
+
+    return registry.get(name)
+
+
+def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "weight_only") -> jax.Array:
+    """y = x @ dequant(W).T, (M, K) x (N, K) -> (M, N) in out_dtype."""
+    if numerics == "llm_int8":
+        if not isinstance(q, Int8Weight):
+            raise ValueError("numerics='llm_int8' applies to Int8Weight only")
+        if plan.backend == "xla":
+            from pallas_kernels.matmul_llm_int8 import llm_int8_matmul_reference
+
+            return llm_int8_matmul_reference(x, q.cb, q.scb, threshold=q.threshold).astype(out_dtype)
+        return _variant(plan.fwd).fn(x, q.cb, q.scb, threshold=q.threshold, out_dtype=out_dtype,
+                                     interpret=plan.interpret)
+    if plan.backend == "xla":
+        return _dot_nt(x, dequantize(q, x.dtype)).astype(out_dtype)
+    fn = _variant(plan.fwd).fn
+    if isinstance(q, Weight4bit):
+        packed, absmax = kernel_operands_4bit(q)
+        return fn(x, packed, absmax, q.code, blocksize=q.blocksize, out_dtype=out_dtype, interpret=plan.interpret)
+    return fn(x, q.cb, q.scb, out_dtype=out_dtype, interpret=plan.interpret)
+
+
+def backward_product(plan: Plan, dy: jax.Array, q, *, out_dtype) -> jax.Array:
+    """dx = dy @ dequant(W), (M, N) x (N, K) -> (M, K); dequantizes again instead of reusing."""
+    if plan.backend == "xla":
+        return _dot_nn(dy, dequantize(q, dy.dtype)).astype(out_dtype)
+    fn = _variant(plan.bwd).fn
+    if isinstance(q, Weight4bit):
+        packed, absmax = kernel_operands_4bit(q)
+        return fn(dy, packed, absmax, q.code, blocksize=q.blocksize, out_dtype=out_dtype, interpret=plan.interpret)
+    return fn(dy, q.cb, q.scb, out_dtype=out_dtype, interpret=plan.interpret)

@@ -1,0 +1,156 @@
+"""qmatmul: y = x @ W.T (+ LoRA) for a quantized W, with a custom_vjp that re-dequantizes.
+
+Invariants (DESIGN.md): the compute dtype is an argument (default: x's dtype), never the
+checkpoint's stored dtype; inputs of any rank are flattened to 2-D here and only here; the
+backward pass saves the packed weight and its scales (plus x, A, B and x @ A.T for LoRA) and
+never a dense (N, K) weight; the frozen weight gets no gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jqlora.ops.backends import Plan, choose_plan
+from jqlora.ops.products import _dot_nn, _dot_nt, acc_dtype, backward_product, forward_product
+from jqlora.quant import Int8Weight, Weight4bit
+
+NUMERICS = ("weight_only", "llm_int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    plan: Plan
+    numerics: str
+    out_dtype: str
+
+
+def _zero_cotangent(q):
+    """Symbolic-zero-like cotangent for the frozen weight: float0 for integer leaves."""
+    def zero(leaf):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            return jnp.zeros_like(leaf)
+        return jnp.zeros(leaf.shape, jax.dtypes.float0)
+
+    return jax.tree_util.tree_map(zero, q)
+
+
+# ---- without LoRA ---------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _base(st: _Static, x, q):
+    return forward_product(st.plan, x, q, out_dtype=st.out_dtype, numerics=st.numerics)
+
+
+def _base_fwd(st, x, q):
+    return _base(st, x, q), q  # residuals: the packed weight and scales only
+
+
+def _base_bwd(st, q, dy):
+    dx = backward_product(st.plan, dy, q, out_dtype=dy.dtype)
+    return dx, _zero_cotangent(q)
+
+
+_base.defvjp(_base_fwd, _base_bwd)
+
+
+# ---- with LoRA: y = x W^T + s (x A^T) B^T ---------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _with_lora(st: _Static, scale: float, x, q, a, b):
+    return _with_lora_fwd(st, scale, x, q, a, b)[0]
+
+
+def _with_lora_fwd(st, scale, x, q, a, b):
+    base = forward_product(st.plan, x, q, out_dtype=acc_dtype(x), numerics=st.numerics)
+    xa = _dot_nt(x, a).astype(x.dtype)  # (M, r): the only LoRA activation kept for backward
+    y = (base + scale * _dot_nt(xa, b)).astype(st.out_dtype)
+    return y, (x, q, a, b, xa)
+
+
+def _with_lora_bwd(st, scale, res, dy):
+    x, q, a, b, xa = res
+    acc = acc_dtype(dy, x)
+    u = _dot_nn(dy, b)  # (M, r) = dY B, contracted through the rank first
+    dx = backward_product(st.plan, dy, q, out_dtype=acc) + scale * _dot_nn(u, a.astype(acc))
+    da = scale * jax.lax.dot_general(u, x.astype(acc), (((0,), (0,)), ((), ())))  # s U^T X
+    db = scale * jax.lax.dot_general(dy, xa, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+    return dx.astype(x.dtype), _zero_cotangent(q), da.astype(a.dtype), db.astype(b.dtype)
+
+
+_with_lora.defvjp(_with_lora_fwd, _with_lora_bwd)
+
+
+# ---- public entry point ---------------------------------------------------------------------
+
+def qmatmul(
+    x: jax.Array,
+    q,
+    *,
+    compute_dtype=None,
+    lora: tuple | None = None,
+    backend: str = "auto",
+    variant: str | None = None,
+    numerics: str = "weight_only",
+) -> jax.Array:
+    """x @ W.T (+ scale * (x @ A.T) @ B.T) for x of shape (..., K) and W of logical shape (N, K).
+
+    q: a `Weight4bit`, an `Int8Weight` or a dense (N, K) array (frozen in every case).
+    compute_dtype: dtype of the products and of the result; defaults to x's dtype.
+    lora: optional (A (r, K), B (N, r), scale). Gradients flow to x, A and B.
+    backend: "auto" (Pallas on GPU, xla elsewhere), "pallas", "interpret" (Pallas on CPU) or "xla".
+    variant: force a named kernel variant from `pallas_kernels.registry` (kernel backends only).
+    numerics: "weight_only" (default), or "llm_int8" to reproduce bitsandbytes' LLM.int8
+              inference numerics for an Int8Weight (forward; the backward is weight-only).
+    """
+    if numerics not in NUMERICS:
+        raise ValueError(f"unknown numerics {numerics!r}; expected one of {NUMERICS}")
+    x = jnp.asarray(x)
+    if x.ndim < 1:
+        raise ValueError("qmatmul needs x with at least one dimension (..., in_features)")
+    quantized = isinstance(q, (Weight4bit, Int8Weight))
+    shape = tuple(q.shape)
+    if len(shape) != 2:
+        raise ValueError(f"qmatmul needs a 2-D (out_features, in_features) weight, got shape {shape}")
+    n, k = shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight is (out={n}, in={k}); y = x @ W.T")
+    cd = jnp.dtype(compute_dtype if compute_dtype is not None else x.dtype)
+    if not jnp.issubdtype(cd, jnp.floating):
+        raise ValueError(f"compute dtype must be floating, got {cd}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).astype(cd)  # the one place where N-D inputs become 2-D
+    m = x2.shape[0]
+    if not quantized:
+        q = jax.lax.stop_gradient(jnp.asarray(q))
+    plan = choose_plan(q, m, backend, variant=variant, numerics=numerics)
+    st = _Static(plan, numerics, cd.name)
+    if not quantized:
+        y = _dense(x2, q.astype(cd), cd, lora)
+    elif lora is None:
+        y = _base(st, x2, q)
+    else:
+        a, b, scale = _check_lora(lora, n, k)
+        y = _with_lora(st, float(scale), x2, q, a.astype(cd), b.astype(cd))
+    return y.reshape(*lead, n)
+
+
+def _check_lora(lora, n, k):
+    try:
+        a, b, scale = lora
+    except (TypeError, ValueError):
+        raise ValueError("lora must be a tuple (A (r, in), B (out, r), scale)") from None
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != k or b.shape[0] != n or a.shape[0] != b.shape[1]:
+        raise ValueError(f"LoRA shapes A {a.shape}, B {b.shape} do not fit a weight (out={n}, in={k}): "
+                         f"expected A (r, {k}) and B ({n}, r)")
+    return a, b, scale
+
+
+def _dense(x2, w, cd, lora):
+    y = _dot_nt(x2, w)
+    if lora is not None:
+        a, b, scale = _check_lora(lora, *w.shape)
+        y = y + scale * _dot_nt(_dot_nt(x2, a.astype(cd)).astype(cd), b.astype(cd))
+    return y.astype(cd)

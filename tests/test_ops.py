@@ -1,0 +1,207 @@
+"""qmatmul: shapes, dtypes, gradients, residuals, transformations, backends, and bitsandbytes agreement."""
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+try:  # public in newer jax; jax 0.10 keeps it private (print_saved_residuals is its public face)
+    from jax.ad_checkpoint import saved_residuals
+except ImportError:
+    from jax._src.ad_checkpoint import saved_residuals
+from jax.test_util import check_grads
+
+from jqlora import ops, quant
+from jqlora.ops import BackendError
+
+
+def _weights(n=48, k=128, seed=0):
+    w = jax.random.normal(jax.random.key(seed), (n, k), jnp.float32) * 0.05
+    return w, {
+        "nf4": quant.quantize_4bit(w, "nf4", 64, True),
+        "fp4": quant.quantize_4bit(w, "fp4", 32, False),
+        "int8": quant.quantize_int8(w),
+    }
+
+
+def _lora(n, k, r=4, seed=1):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(ka, (r, k)) * 0.1, jax.random.normal(kb, (n, r)) * 0.1
+
+
+def _oracle(x, q, lora=None, dtype=jnp.float64):
+    """float64 numpy: x @ dequant(W).T (+ s (x A^T) B^T)."""
+    w = np.asarray(quant.dequantize(q, jnp.float32), np.float64)
+    x = np.asarray(x, np.float64)
+    y = x @ w.T
+    if lora is not None:
+        a, b, s = lora
+        y = y + s * (x @ np.asarray(a, np.float64).T) @ np.asarray(b, np.float64).T
+    return y
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4", "int8"])
+@pytest.mark.parametrize("lead", [(5,), (2, 3), (2, 2, 3), (1, 2, 2, 3), ()])
+def test_any_rank_in_same_rank_out(kind, lead):
+    _, qs = _weights()
+    q = qs[kind]
+    x = jax.random.normal(jax.random.key(2), (*lead, 128), jnp.float32)
+    y = ops.qmatmul(x, q, backend="xla")
+    assert y.shape == (*lead, 48)
+    np.testing.assert_allclose(np.asarray(y), _oracle(x.reshape(-1, 128), q).reshape(*lead, 48), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_lora_forward_matches_float64(kind):
+    _, qs = _weights()
+    a, b = _lora(48, 128)
+    x = jax.random.normal(jax.random.key(3), (3, 7, 128), jnp.float32)
+    y = ops.qmatmul(x, qs[kind], lora=(a, b, 0.5), backend="xla")
+    ref = _oracle(x.reshape(-1, 128), qs[kind], (a, b, 0.5)).reshape(3, 7, 48)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compute_dtype_is_an_argument_not_the_stored_dtype():
+    w, _ = _weights()
+    q16 = quant.quantize_4bit(w.astype(jnp.float16), "nf4", 64, True)
+    assert q16.stored_dtype == "float16"
+    x = jax.random.normal(jax.random.key(4), (4, 128), jnp.bfloat16)
+    y = ops.qmatmul(x, q16, backend="xla")  # fp16-stored weight, bf16 activations
+    assert y.dtype == jnp.bfloat16
+    y32 = ops.qmatmul(x, q16, compute_dtype=jnp.float32, backend="xla")
+    assert y32.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y32), _oracle(x.astype(jnp.float32), q16), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y32), rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_then_fp16_models_in_one_process():
+    """The PyTorch stack's global dequant buffer went stale when the dtype changed; here nothing is global."""
+    w, _ = _weights()
+    q_bf = quant.quantize_4bit(w.astype(jnp.bfloat16), "nf4", 64, True)
+    q_fp = quant.quantize_4bit(w.astype(jnp.float16), "nf4", 64, True)
+    x = jax.random.normal(jax.random.key(5), (4, 128), jnp.float32)
+    f = jax.jit(lambda x, q: ops.qmatmul(x, q, backend="xla"))
+    for _ in range(2):
+        y_bf = f(x.astype(jnp.bfloat16), q_bf)
+        y_fp = f(x.astype(jnp.float16), q_fp)
+        assert y_bf.dtype == jnp.bfloat16 and y_fp.dtype == jnp.float16
+        expect = _oracle(x, q_bf)
+        np.testing.assert_allclose(np.asarray(y_bf, np.float64), expect, rtol=3e-2, atol=3e-2)
+        np.testing.assert_allclose(np.asarray(y_fp, np.float64), _oracle(x, q_fp), rtol=3e-3, atol=3e-3)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_no_dense_weight_among_residuals(kind, with_lora):
+    """Invariant 2: the backward pass keeps packed weights and scales, never a dense (N, K) array."""
+    n, k = 256, 512  # N*K far larger than any legitimate residual here
+    w, _ = _weights(n, k)
+    q = quant.quantize_4bit(w, "nf4", 64, True) if kind == "nf4" else quant.quantize_int8(w)
+    a, b = _lora(n, k)
+    x = jax.random.normal(jax.random.key(6), (2, 8, k), jnp.float32)
+
+    def loss(x, a, b):
+        return jnp.sum(ops.qmatmul(x, q, lora=(a, b, 2.0) if with_lora else None, backend="xla") ** 2)
+
+    avals = [aval for aval, _ in saved_residuals(loss, x, a, b)]
+    shapes = [tuple(v.shape) for v in avals]
+    assert shapes, "expected some residuals"
+    for v in avals:  # the int8 weight's CB is itself (N, K) int8: the quantized weight, not a dense copy
+        if jnp.issubdtype(v.dtype, jnp.floating):
+            assert int(np.prod(v.shape)) < n * k, f"float residual {v.shape} is as large as the dense weight"
+    total = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in avals)
+    packed = q.packed.nbytes if kind == "nf4" else q.cb.nbytes
+    activations = x.nbytes + 2 * a.nbytes + 2 * b.nbytes + x.size // k * 4 * 16
+    assert total <= packed * 1.2 + activations, f"residuals hold {total} bytes: more than packed weights + activations"
+
+
+
+def test_frozen_weight_gets_zero_cotangent():
+    _, qs = _weights()
+    x = jnp.ones((2, 128))
+    g = jax.grad(lambda q: jnp.sum(ops.qmatmul(x, q, backend="xla")), allow_int=True)(qs["nf4"])
+    assert g.packed.dtype == jax.dtypes.float0 and g.absmax.dtype == jax.dtypes.float0
+    assert float(jnp.abs(g.nested_absmax).max()) == 0.0 and float(jnp.abs(g.code).max()) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_check_grads_xla_backend(kind):
+    _, qs = _weights(24, 64)
+    a, b = _lora(24, 64, r=3)
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(7), (5, 64), jnp.float64)
+        f = lambda x, a, b: ops.qmatmul(x, qs[kind], lora=(a, b, 1.5), backend="xla")
+        check_grads(f, (x, a.astype(jnp.float64), b.astype(jnp.float64)), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+def test_lora_gradients_match_autodiff_of_dense_reference():
+    w, qs = _weights()
+    q = qs["nf4"]
+    wd = quant.dequantize(q, jnp.float32)
+    a, b = _lora(48, 128)
+    x = jax.random.normal(jax.random.key(8), (2, 5, 128))
+    f = lambda x, a, b: jnp.sum(jnp.tanh(ops.qmatmul(x, q, lora=(a, b, 2.0), backend="xla")))
+    g = lambda x, a, b: jnp.sum(jnp.tanh(x @ wd.T + 2.0 * (x @ a.T) @ b.T))
+    for got, want in zip(jax.grad(f, (0, 1, 2))(x, a, b), jax.grad(g, (0, 1, 2))(x, a, b)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_jit_vmap_checkpoint():
+    _, qs = _weights()
+    q = qs["nf4"]
+    a, b = _lora(48, 128)
+    xs = jax.random.normal(jax.random.key(9), (3, 4, 128))
+    f = lambda x: ops.qmatmul(x, q, lora=(a, b, 1.0), backend="xla")
+    want = np.stack([np.asarray(f(x)) for x in xs])
+    np.testing.assert_allclose(np.asarray(jax.vmap(f)(xs)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.vmap(f))(xs)), want, rtol=1e-5, atol=1e-5)
+    loss = lambda x: jnp.sum(jax.checkpoint(f)(x) ** 2)
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(loss))(xs[0])),
+                               np.asarray(jax.grad(lambda x: jnp.sum(f(x) ** 2))(xs[0])), rtol=1e-5, atol=1e-5)
+    # vmap over a batch of stacked weights (e.g. scanned layers)
+    w2 = jax.random.normal(jax.random.key(10), (48, 128)) * 0.05
+    stacked = jax.tree_util.tree_map(lambda *l: jnp.stack(l), q, quant.quantize_4bit(w2, "nf4", 64, True))
+    ys = jax.vmap(lambda qq: ops.qmatmul(xs[0], qq, backend="xla"))(stacked)
+    np.testing.assert_allclose(np.asarray(ys[0]), np.asarray(ops.qmatmul(xs[0], q, backend="xla")), rtol=1e-6, atol=1e-6)
+
+
+def test_named_sharding_inputs():
+    devs = jax.devices()
+    if len(devs) < 2:
+        pytest.skip("needs 2 host devices (XLA_FLAGS set in conftest)")
+    mesh = jax.sharding.Mesh(np.array(devs[:2]), ("data",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+    _, qs = _weights()
+    a, b = _lora(48, 128)
+    x = jax.device_put(jax.random.normal(jax.random.key(11), (8, 128)), sh)
+    f = jax.jit(jax.grad(lambda x, a: jnp.sum(ops.qmatmul(x, qs["nf4"], lora=(a, b, 1.0), backend="xla") ** 2), (0, 1)))
+    gx, ga = f(x, a)
+    gx_ref, ga_ref = jax.grad(lambda x, a: jnp.sum(ops.qmatmul(x, qs["nf4"], lora=(a, b, 1.0), backend="xla") ** 2), (0, 1))(np.asarray(x), a)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(gx_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ga), np.asarray(ga_ref), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_weight_is_frozen_and_works():
+    w, _ = _weights()
+    x = jax.random.normal(jax.random.key(12), (3, 128))
+    np.testing.assert_allclose(np.asarray(ops.qmatmul(x, w)), np.asarray(x @ w.T), rtol=1e-5, atol=1e-6)
+    gw = jax.grad(lambda w: jnp.sum(ops.qmatmul(x, w)))(w)
+    assert float(jnp.abs(gw).max()) == 0.0
+
+
+def test_backend_errors_are_explicit():
+    _, qs = _weights()
+    x = jnp.ones((2, 128))
+    with pytest.raises(BackendError, match="needs a GPU"):
+        ops.qmatmul(x, qs["nf4"], backend="pallas")
+    with pytest.raises(BackendError, match="unknown backend"):
+        ops.qmatmul(x, qs["nf4"], backend="cuda")
+    odd = quant.quantize_4bit(jnp.ones((8, 96)), "nf4", 64, False)  # 96 % 64 != 0: blocks span rows
+    with pytest.raises(BackendError, match="multiple of the blocksize"):
+        ops.qmatmul(jnp.ones((2, 96)), odd, backend="interpret")
+    y = ops.qmatmul(jnp.ones((2, 96)), odd)  # auto on CPU: the xla reference handles it
+    np.testing.assert_allclose(np.asarray(y), _oracle(np.ones((2, 96)), odd), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="features"):
+        ops.qmatmul(jnp.ones((2, 64)), qs["nf4"])
+    with pytest.raises(ValueError, match="LoRA shapes"):
+        ops.qmatmul(x, qs["nf4"], lora=(jnp.ones((4, 64)), jnp.ones((48, 4)), 1.0))
+    with pytest.raises(BackendError, match="dense weight"):
+        ops.qmatmul(x, jnp.ones((48, 128)), backend="interpret")
