@@ -205,3 +205,99 @@ def test_backend_errors_are_explicit():
         ops.qmatmul(x, qs["nf4"], lora=(jnp.ones((4, 64)), jnp.ones((48, 4)), 1.0))
     with pytest.raises(BackendError, match="dense weight"):
         ops.qmatmul(x, jnp.ones((48, 128)), backend="interpret")
+
+
+# ---- kernel backend (Pallas interpret mode on CPU) --------------------------------------------
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("lead", [(3,), (2, 1, 65)])  # small-M and tiled paths; 4-D input
+def test_interpret_backend_gradients_agree_with_xla(kind, lead):
+    w = jax.random.normal(jax.random.key(13), (72, 192)) * 0.05
+    q = quant.quantize_4bit(w, "nf4", 64, True) if kind == "nf4" else quant.quantize_int8(w)
+    a, b = _lora(72, 192)
+    x = jax.random.normal(jax.random.key(14), (*lead, 192))
+    f = lambda x, a, b, bk: jnp.sum(jnp.tanh(ops.qmatmul(x, q, lora=(a, b, 2.0), backend=bk)))
+    y_i = ops.qmatmul(x, q, lora=(a, b, 2.0), backend="interpret")
+    assert y_i.shape == (*lead, 72)
+    np.testing.assert_allclose(np.asarray(y_i), np.asarray(ops.qmatmul(x, q, lora=(a, b, 2.0), backend="xla")),
+                               rtol=1e-5, atol=1e-5)
+    for gi, gx in zip(jax.grad(f, (0, 1, 2))(x, a, b, "interpret"), jax.grad(f, (0, 1, 2))(x, a, b, "xla")):
+        np.testing.assert_allclose(np.asarray(gi), np.asarray(gx), rtol=1e-4, atol=1e-5)
+
+
+def test_interpret_backend_bf16_matches_reference():
+    w = jax.random.normal(jax.random.key(15), (64, 128)) * 0.05
+    q = quant.quantize_4bit(w, "fp4", 32, False)
+    x = jax.random.normal(jax.random.key(16), (2, 3, 128), jnp.bfloat16)
+    y = ops.qmatmul(x, q, backend="interpret")
+    assert y.dtype == jnp.bfloat16
+    ref = _oracle(np.asarray(x, np.float32).reshape(-1, 128), q).reshape(2, 3, 64)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_variant_choice_is_explicit():
+    _, qs = _weights(64, 128)
+    x = jnp.ones((4, 128))
+    y = ops.qmatmul(x, qs["nf4"], backend="interpret", variant="fused_tiled")
+    np.testing.assert_allclose(np.asarray(y), _oracle(np.ones((4, 128)), qs["nf4"]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(BackendError, match="implements"):
+        ops.qmatmul(x, qs["nf4"], backend="interpret", variant="int8_weight_only")
+    with pytest.raises(KeyError, match="no kernel variant"):
+        ops.qmatmul(x, qs["nf4"], backend="interpret", variant="nope")
+
+
+# ---- agreement with bitsandbytes on CPU ------------------------------------------------------
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_agrees_with_bitsandbytes_matmul_4bit(dtype, quant_type):
+    """Same packed weight through bnb.matmul_4bit (dequantize to x.dtype, then linear) and qmatmul.
+
+    fp32: both compute dequant(W) exactly (bit-exact dequant) and a fp32 GEMM, so only the
+    summation order differs: rtol 1e-5. bf16: the operands are identical bf16 values, products
+    accumulate in fp32 on both sides, and each rounds once to bf16: within 1 bf16 ulp (2^-8).
+    """
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    F = bnb.functional
+    tdt = getattr(torch, dtype)
+    w = torch.randn(96, 256, dtype=torch.float32, generator=torch.Generator().manual_seed(0)).to(tdt) * 0.05
+    packed, st = F.quantize_4bit(w, blocksize=64, quant_type=quant_type, compress_statistics=True)
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(1)).to(tdt)
+    y_bnb = bnb.matmul_4bit(x, packed.t(), st).float().numpy()
+    q = quant.Weight4bit(
+        packed=jnp.asarray(packed.numpy().reshape(-1)), absmax=jnp.asarray(st.absmax.numpy()),
+        code=jnp.asarray(st.code.numpy()), nested_absmax=jnp.asarray(st.state2.absmax.numpy()),
+        nested_code=jnp.asarray(st.state2.code.numpy()), offset=jnp.asarray(st.offset.numpy()),
+        shape=(96, 256), quant_type=quant_type, blocksize=64, stored_dtype=dtype).validate()
+    xj = jnp.asarray(x.float().numpy()).astype(dtype)
+    for backend in ("xla", "interpret"):
+        y = np.asarray(ops.qmatmul(xj, q, backend=backend), np.float32)
+        if dtype == "float32":
+            np.testing.assert_allclose(y, y_bnb, rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_allclose(y, y_bnb, rtol=2 ** -7, atol=2 ** -7 * np.abs(y_bnb).max())
+
+
+@pytest.mark.torch
+def test_llm_int8_numerics_agree_with_bitsandbytes_linear8bitlt():
+    """numerics='llm_int8' reproduces bnb's Linear8bitLt inference (int8 activations, threshold 6)."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(128, 64, bias=False)
+    lin.weight.data = torch.randn(64, 128, generator=g) * 0.05
+    m = bnb.nn.Linear8bitLt(128, 64, bias=False, has_fp16_weights=False, threshold=6.0)
+    m.weight = bnb.nn.Int8Params(lin.weight.data.clone(), requires_grad=False, has_fp16_weights=False)
+    m = m.to("cpu").eval()
+    if m.weight.dtype != torch.int8:
+        pytest.skip("this bitsandbytes build does not quantize Int8Params on CPU")
+    q = quant.Int8Weight(cb=jnp.asarray(m.weight.data.numpy()), scb=jnp.asarray(m.weight.SCB.numpy()), threshold=6.0)
+    x = torch.randn(3, 4, 128, generator=g).half()
+    x[0, 0, 5] = 9.0  # an outlier column
+    with torch.no_grad():
+        y_bnb = m(x).float().numpy()  # (the forward moves CB/SCB into m.state: read them first)
+    for backend in ("xla", "interpret"):
+        y = np.asarray(ops.qmatmul(jnp.asarray(x.numpy()), q, numerics="llm_int8", backend=backend), np.float32)
+        np.testing.assert_allclose(y, y_bnb, rtol=2e-3, atol=2e-3)
