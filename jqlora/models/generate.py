@@ -1,0 +1,143 @@
+"""Autoregressive generation with a preallocated KV cache: one jitted prefill, then a jitted
+`lax.while_loop` of single-token decode steps (stops early once every row has emitted EOS)."""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jqlora.models.cache import KVCache
+
+
+def sample_token(logits: jax.Array, key: Optional[jax.Array], temperature: float = 0.0, top_p: float = 1.0) -> jax.Array:
+    """Next token per row from logits (B, V). temperature == 0: argmax. Otherwise sample from
+    softmax(logits / temperature) restricted to the nucleus: the smallest set of most likely
+    tokens whose probability mass reaches top_p (the token that crosses top_p is included; tokens
+    tied with the smallest kept logit are kept too)."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if key is None:
+        raise ValueError("sampling (temperature > 0) needs an rng key")
+    return _sample(logits, key, temperature, top_p if top_p < 1.0 else None)
+
+
+def _sample(logits, key, temperature, top_p):
+    """Temperature + optional nucleus sampling; temperature/top_p may be traced scalars."""
+    logits = logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    if top_p is not None:
+        srt = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(srt, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+        n_keep = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
+        cutoff = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+        logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _eos_array(eos_token_id) -> Optional[jax.Array]:
+    if eos_token_id is None:
+        return None
+    if isinstance(eos_token_id, int):
+        eos_token_id = (eos_token_id,)
+    return jnp.asarray(tuple(int(e) for e in eos_token_id), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p", "return_logits"))
+def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p, *, max_new_tokens, greedy,
+              use_top_p, return_logits):
+    def load():
+        # A fresh traced copy per trace level (prefill, loop body): NNX forbids touching Variables
+        # created at another trace level. eval(): no dropout; remat is pointless without backward.
+        m = nnx.merge(graphdef, state)
+        m.eval()
+        m.remat = False
+        return m
+
+    model = load()
+    b, t = prompt.shape
+    seg = prompt_mask.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(seg, axis=-1) - 1, 0)
+    cache = KVCache.init(model.config, b, t + max_new_tokens, model.compute_dtype)
+    logits, cache = model(prompt, positions=positions, segment_ids=seg, cache=cache)
+    next_pos = positions[:, -1] + 1
+    vocab = logits.shape[-1]
+
+    def pick(step_logits, i):
+        if greedy:
+            return sample_token(step_logits, None, 0.0)
+        return _sample(step_logits, jax.random.fold_in(key, i), temperature, top_p if use_top_p else None)
+
+    def is_eos(tok):  # eos holds -1 when there is no EOS token: never matches
+        return jnp.any(tok[:, None] == eos[None, :], axis=-1)
+
+    first_logits = logits[:, -1].astype(jnp.float32)
+    tok = pick(first_logits, 0)
+    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)
+    scores = jnp.zeros((b, max_new_tokens if return_logits else 0, vocab), jnp.float32)
+    if return_logits:
+        scores = scores.at[:, 0].set(first_logits)
+    done = is_eos(tok)
+    pad = jnp.maximum(eos[0], 0)
+
+    def cond(carry):
+        i, _, _, _, done, _, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, tok, pos, cache, done, out, scores = carry
+        step_logits, cache = load()(tok[:, None], positions=pos[:, None], cache=cache)
+        step_logits = step_logits[:, 0].astype(jnp.float32)
+        new = pick(step_logits, i)
+        new = jnp.where(done, pad, new)
+        out = out.at[:, i].set(new)
+        if return_logits:
+            scores = scores.at[:, i].set(step_logits)
+        return i + 1, new, pos + 1, cache, done | is_eos(new), out, scores
+
+    carry = (jnp.int32(1), tok, next_pos, cache, done, out, scores)
+    i, _, _, _, done, out, scores = jax.lax.while_loop(cond, body, carry)
+    # Rows that stopped early (or all rows, when the loop ended early) are padded with EOS.
+    filled = jnp.arange(max_new_tokens)[None, :] < i
+    out = jnp.where(filled, out, pad)
+    return out, scores
+
+
+def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+             rng: Optional[jax.Array] = None, eos_token_id: Union[int, Sequence[int], None] = None,
+             attention_mask=None, return_logits: bool = False):
+    """Generate `max_new_tokens` tokens after `prompt_ids` (B, T).
+
+    temperature=0.0 is greedy (argmax); otherwise top-p (nucleus) sampling with `rng` (a
+    jax.random key). attention_mask (B, T), 1 = token, 0 = padding, for LEFT-padded prompts of
+    different lengths (positions count real tokens only; padding is never attended).
+    After a row emits eos_token_id (int or list), its remaining tokens are eos_token_id[0].
+    Returns (B, T + max_new_tokens) int32 token ids (prompt + generated); with return_logits=True
+    also the float32 logits (B, max_new_tokens, V) each new token was chosen from (zeros after
+    every row stopped). The model runs in eval mode (no LoRA dropout).
+    """
+    prompt = jnp.asarray(prompt_ids, jnp.int32)
+    if prompt.ndim != 2:
+        raise ValueError(f"prompt_ids must be (batch, seq), got shape {prompt.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if temperature > 0 and rng is None:
+        raise ValueError("sampling (temperature > 0) needs rng=jax.random.key(...)")
+    mask = jnp.ones_like(prompt) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
+    if mask.shape != prompt.shape:
+        raise ValueError(f"attention_mask shape {mask.shape} != prompt shape {prompt.shape}")
+    eos = _eos_array(eos_token_id)
+    graphdef, state = nnx.split(model)
+    greedy = temperature == 0.0
+    out, scores = _generate(
+        graphdef, state, prompt, mask, None if greedy else rng,
+        eos if eos is not None else jnp.full((1,), -1, jnp.int32),
+        jnp.float32(temperature), jnp.float32(top_p),
+        max_new_tokens=int(max_new_tokens), greedy=greedy, use_top_p=top_p < 1.0,
+        return_logits=bool(return_logits))
+    seqs = jnp.concatenate([prompt, out], axis=1)
+    return (seqs, scores) if return_logits else seqs

@@ -1,0 +1,437 @@
+"""Llama-family causal LMs in Flax NNX: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, Qwen2, Qwen3.
+
+Module tree names equal the HF module names (`model.layers.0.self_attn.q_proj`,
+`model.layers.0.mlp.gate_proj`, `model.norm`, `lm_head`), so `jqlora.lora.named_linears`,
+`lora_params_by_module` and the loader map 1:1 onto checkpoint and PEFT keys.
+
+Numerics follow transformers: RMSNorm in float32 (weight applied after casting back), RoPE
+cos/sin computed in float32 and cast to the compute dtype (rotate_half convention), attention
+scores accumulated in float32 with a float32 softmax, SwiGLU MLP. Every tensor read from the
+checkpoint is frozen (`FrozenParam` / `QuantizedBase`); only LoRA matrices are `nnx.Param`s.
+This file knows no files: `from_params` builds a model from a dict of arrays.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jqlora import ops as _ops
+from jqlora import quant
+from jqlora.lora.apply import apply_lora
+from jqlora.lora.config import LoraConfig
+from jqlora.lora.linear import FrozenParam, QLoRALinear, base_shape
+from jqlora.models.cache import KVCache
+from jqlora.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
+
+_MASK_VALUE = float(np.finfo(np.float32).min)
+
+REMAT_POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+
+
+def _activation(name: str) -> Callable:
+    if name in ("silu", "swish"):
+        return jax.nn.silu
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    return lambda x: jax.nn.gelu(x, approximate=True)  # gelu_pytorch_tanh / gelu_new
+
+
+# ---------------------------------------------------------------------------------------- layers
+class RMSNorm(nnx.Module):
+    """HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in float32, back to x.dtype, times weight."""
+
+    def __init__(self, weight, eps: float):
+        self.weight = FrozenParam(jnp.asarray(weight))
+        self.eps = float(eps)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, weight):
+        weight = jnp.asarray(weight)
+        if weight.ndim != 2:
+            raise ValueError(f"embedding weight must be 2-D (vocab, hidden), got shape {weight.shape}")
+        self.weight = FrozenParam(weight)
+
+    def __call__(self, ids: jax.Array, dtype) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0).astype(dtype)
+
+    def attend(self, x: jax.Array, dtype) -> jax.Array:
+        """Tied output projection: x @ E.T."""
+        return _ops.qmatmul(x, self.weight[...], compute_dtype=dtype, backend="auto")
+
+
+def rotate_half(x):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def rope_cos_sin(config: ModelConfig, positions: jax.Array, dtype):
+    """cos, sin of shape (B, T, head_dim) for integer positions (B, T); fp32 math, then dtype."""
+    inv = jnp.asarray(rope_inv_freq(config))
+    freqs = positions.astype(jnp.float32)[..., None] * inv  # (B, T, D/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    s = rope_attention_scaling(config)
+    return (jnp.cos(emb) * s).astype(dtype), (jnp.sin(emb) * s).astype(dtype)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token inside its (contiguous) segment: 0, 1, ... restarting per segment."""
+    t = segment_ids.shape[-1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
+    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=segment_ids.ndim - 1)
+    return idx - start_idx
+
+
+def attention_mask(q_slots, k_slots, q_seg, k_seg, window: Optional[int]):
+    """Boolean (B, T, S): causal by slot, same nonzero segment, inside the sliding window."""
+    qs = q_slots[:, :, None]
+    ks = k_slots[:, None, :]
+    m = (ks <= qs) & (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] != 0)
+    if window is not None:
+        m = m & (qs - ks < window)
+    return m
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, linears: Mapping[str, QLoRALinear], norms: Mapping[str, Any],
+                 window: Optional[int]):
+        self.config = config
+        self.window = window
+        self.q_proj = linears["q_proj"]
+        self.k_proj = linears["k_proj"]
+        self.v_proj = linears["v_proj"]
+        self.o_proj = linears["o_proj"]
+        if config.qk_norm:
+            self.q_norm = RMSNorm(norms["q_norm"], config.rms_norm_eps)
+            self.k_norm = RMSNorm(norms["k_norm"], config.rms_norm_eps)
+
+    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, kv_cache=None, index=None):
+        cfg = self.config
+        b, t, _ = x.shape
+        h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = self.q_proj(x).reshape(b, t, h, d)
+        k = self.k_proj(x).reshape(b, t, kvh, d)
+        v = self.v_proj(x).reshape(b, t, kvh, d)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        new_kv = None
+        if kv_cache is not None:
+            ck, cv = kv_cache
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+            new_kv = (ck, cv)
+            k, v = ck.astype(x.dtype), cv.astype(x.dtype)
+        g = h // kvh
+        qg = q.reshape(b, t, kvh, g, d)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+        scores = scores * jnp.float32(d ** -0.5)
+        mask = attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None, None]
+        scores = jnp.where(mask, scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * d)
+        return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, linears: Mapping[str, QLoRALinear]):
+        self.gate_proj = linears["gate_proj"]
+        self.up_proj = linears["up_proj"]
+        self.down_proj = linears["down_proj"]
+        self.act = config.hidden_act
+
+    def __call__(self, x):
+        return self.down_proj(_activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, src: "_Source", prefix: str, window: Optional[int]):
+        c = config
+        lin = lambda n, o, i, bias: src.linear(f"{prefix}.{n}", o, i, bias)  # noqa: E731
+        attn_lin = {
+            "q_proj": lin("self_attn.q_proj", c.q_features, c.hidden_size, c.qkv_bias),
+            "k_proj": lin("self_attn.k_proj", c.kv_features, c.hidden_size, c.qkv_bias),
+            "v_proj": lin("self_attn.v_proj", c.kv_features, c.hidden_size, c.qkv_bias),
+            "o_proj": lin("self_attn.o_proj", c.hidden_size, c.q_features, c.o_bias),
+        }
+        norms = {}
+        if c.qk_norm:
+            norms = {n: src.tensor(f"{prefix}.self_attn.{n}.weight", (c.head_dim,)) for n in ("q_norm", "k_norm")}
+        self.self_attn = Attention(c, attn_lin, norms, window)
+        self.mlp = MLP(c, {
+            "gate_proj": lin("mlp.gate_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
+            "up_proj": lin("mlp.up_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
+            "down_proj": lin("mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias),
+        })
+        self.input_layernorm = RMSNorm(src.tensor(f"{prefix}.input_layernorm.weight", (c.hidden_size,)), c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(
+            src.tensor(f"{prefix}.post_attention_layernorm.weight", (c.hidden_size,)), c.rms_norm_eps)
+
+    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, kv_cache=None, index=None):
+        a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, q_slots, k_slots, q_seg, k_seg,
+                                   kv_cache, index)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_kv
+
+
+class LlamaModel(nnx.Module):
+    """The HF `model.` submodule: embed_tokens, layers, norm."""
+
+    def __init__(self, config: ModelConfig, src: "_Source"):
+        c = config
+        self.embed_tokens = Embedding(src.tensor("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+        self.layers = nnx.List([DecoderLayer(c, src, f"model.layers.{i}", c.sliding_windows[i])
+                                for i in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(src.tensor("model.norm.weight", (c.hidden_size,)), c.rms_norm_eps)
+
+
+def _remat_policy(remat):
+    if remat is True:
+        return jax.checkpoint_policies.nothing_saveable
+    if isinstance(remat, str):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {remat!r}; expected one of {sorted(REMAT_POLICIES)}")
+        return REMAT_POLICIES[remat]
+    if callable(remat):
+        return remat
+    raise TypeError(f"remat must be a bool, a policy name or a jax.checkpoint policy, got {remat!r}")
+
+
+class CausalLM(nnx.Module):
+    """A Llama-family causal LM. Build with `from_params` (or `models.load_causal_lm`).
+
+    Call: `model(input_ids, *, positions=None, segment_ids=None, cache=None)`.
+      input_ids (B, T) int; positions (B, T) int (default: positions inside each segment when
+      segment_ids is given, else cache.index + arange(T)); segment_ids (B, T) int for packed
+      sequences: a token attends causally only to tokens of its own segment, 0 = padding.
+      Returns logits (B, T, vocab) in the compute dtype (as HF; upcast in the loss), or
+      (logits, new_cache) when a `KVCache` is given.
+    compute_dtype: the dtype of every matmul and of the activations (norms and softmax run in
+      float32). It is the caller's choice, never the checkpoint's stored dtype.
+    remat: False, True (= nothing_saveable), a policy name in REMAT_POLICIES, or a
+      jax.checkpoint policy; applied per decoder layer with nnx.remat.
+    """
+
+    def __init__(self, config: ModelConfig, src: "_Source", *, compute_dtype=jnp.bfloat16, remat=False,
+                 backend: str = "auto"):
+        self.config = config
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        self.remat = remat
+        if remat:
+            _remat_policy(remat)  # validate early
+        self.backend = backend
+        self.model = LlamaModel(config, src)
+        if config.tie_word_embeddings:
+            self.lm_head = nnx.data(None)
+        else:
+            self.lm_head = src.linear("lm_head", config.vocab_size, config.hidden_size, False, quantizable=False)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.init(self.config, batch, max_len, self.compute_dtype)
+
+    def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None):
+        cfg, dtype = self.config, self.compute_dtype
+        input_ids = jnp.asarray(input_ids)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {input_ids.shape}")
+        b, t = input_ids.shape
+        q_seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+        if cache is None:
+            index = None
+            q_slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            k_slots, k_seg = q_slots, q_seg
+            if positions is None:
+                positions = q_slots if segment_ids is None else segment_positions(q_seg)
+        else:
+            if cache.batch != b:
+                raise ValueError(f"cache batch {cache.batch} != input batch {b}")
+            index = cache.index
+            q_slots = jnp.broadcast_to(index + jnp.arange(t, dtype=jnp.int32), (b, t))
+            k_seg = jax.lax.dynamic_update_slice(cache.segment_ids, q_seg, (0, index))
+            k_slots = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+            if positions is None:
+                positions = q_slots
+        cos, sin = rope_cos_sin(cfg, jnp.asarray(positions), dtype)
+        x = self.model.embed_tokens(input_ids, dtype)
+
+        aux = (cos, sin, q_slots, k_slots, q_seg, k_seg)
+
+        def run_layer(layer, x, kv, aux, index):
+            return layer(x, *aux, kv_cache=kv, index=index)
+
+        if self.remat:
+            run_layer = nnx.remat(run_layer, policy=_remat_policy(self.remat), prevent_cse=True)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.model.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, new_kv = run_layer(layer, x, kv, aux, index)
+            if cache is not None:
+                new_k.append(new_kv[0])
+                new_v.append(new_kv[1])
+        x = self.model.norm(x)
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(x, dtype)
+        else:
+            logits = self.lm_head(x)
+        if cache is None:
+            return logits
+        return logits, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=k_seg, index=index + t)
+
+
+# ------------------------------------------------------------------------------------- building
+class _Source:
+    """Hands tensors from an HF-keyed params dict to the layers, checking names and shapes.
+
+    params: quantized linear layers by MODULE name ("model.layers.0.self_attn.q_proj") as
+    Weight4bit / Int8Weight; everything else by full key ("model.norm.weight", "<module>.weight"
+    for a dense linear, "<module>.bias")."""
+
+    def __init__(self, params: Mapping[str, Any], *, quantize=None, compute_dtype=None, backend="auto",
+                 param_dtype=None, blocksize: int = 64, double_quant: bool = True, int8_numerics="weight_only"):
+        if quantize not in (None, "nf4", "fp4", "int8"):
+            raise ValueError(f"quantize must be None, 'nf4', 'fp4' or 'int8', got {quantize!r}")
+        self.params = params
+        self.quantize = quantize
+        self.compute_dtype = compute_dtype
+        self.backend = backend
+        self.param_dtype = None if param_dtype is None else jnp.dtype(param_dtype)
+        self.blocksize = blocksize
+        self.double_quant = double_quant
+        self.int8_numerics = int8_numerics
+        self.used: set[str] = set()
+
+    def _cast(self, a):
+        a = jnp.asarray(a)
+        if self.param_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
+            a = a.astype(self.param_dtype)
+        return a
+
+    def tensor(self, key: str, shape: tuple):
+        if key not in self.params:
+            raise KeyError(f"checkpoint is missing tensor {key!r}")
+        a = self.params[key]
+        if isinstance(a, (quant.Weight4bit, quant.Int8Weight)):
+            raise ValueError(f"{key}: expected a dense tensor, found a quantized {type(a).__name__}")
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{key}: shape {tuple(a.shape)} does not match the config's {tuple(shape)}")
+        self.used.add(key)
+        return self._cast(a)
+
+    def linear(self, name: str, out_f: int, in_f: int, bias: bool, *, quantizable: bool = True) -> QLoRALinear:
+        if name in self.params:
+            w, key = self.params[name], name
+        elif name + ".weight" in self.params:
+            w, key = self.params[name + ".weight"], name + ".weight"
+        else:
+            raise KeyError(f"checkpoint is missing tensor {name + '.weight'!r} (linear layer {name})")
+        if isinstance(w, (quant.Weight4bit, quant.Int8Weight)):
+            w.validate(name)
+        elif not (hasattr(w, "shape") and hasattr(w, "dtype")):
+            raise TypeError(f"{key}: expected an array or a quantized weight, got {type(w).__name__}")
+        shape = base_shape(w) if len(getattr(w, "shape", ())) == 2 else tuple(w.shape)
+        if shape != (out_f, in_f):
+            hint = " (it looks transposed: weights must be (out_features, in_features))" if shape == (in_f, out_f) else ""
+            raise ValueError(f"{key}: shape {shape} does not match the config's (out, in) = {(out_f, in_f)}{hint}")
+        self.used.add(key)
+        if not isinstance(w, (quant.Weight4bit, quant.Int8Weight)):
+            if self.quantize is not None and quantizable:
+                w = jnp.asarray(w)
+                w = quant.quantize_int8(w) if self.quantize == "int8" else quant.quantize_4bit(
+                    w, quant_type=self.quantize, blocksize=self.blocksize, double_quant=self.double_quant)
+            else:
+                w = self._cast(w)
+        b = None
+        if bias:
+            b = self.tensor(name + ".bias", (out_f,))
+        elif name + ".bias" in self.params:
+            raise ValueError(f"{name}.bias is in the checkpoint but the config says this layer has no bias")
+        dense = not isinstance(w, (quant.Weight4bit, quant.Int8Weight))
+        # A dense weight has no kernel: it always takes qmatmul's "auto" (jnp) path.
+        numerics = self.int8_numerics if isinstance(w, quant.Int8Weight) else "weight_only"
+        return QLoRALinear(w, bias=b, compute_dtype=self.compute_dtype, backend="auto" if dense else self.backend,
+                           numerics=numerics)
+
+
+# Keys a checkpoint may carry that the model does not need.
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], *, lora: Optional[LoraConfig] = None,
+                compute_dtype=jnp.bfloat16, quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None,
+                remat=False, backend: str = "auto", param_dtype=None, strict: bool = True,
+                int8_numerics: str = "weight_only") -> CausalLM:
+    """Build a `CausalLM` from an HF-keyed params dict (as `interop.load_bnb_checkpoint` returns).
+
+    quantize: quantize dense linear weights at build time ("nf4", "fp4" with blocksize 64 and
+      double quantization, or "int8"); lm_head and embeddings stay dense (as bitsandbytes does).
+    param_dtype: cast dense (non-quantized) tensors to this dtype; None keeps the stored dtype.
+    lora: add LoRA to the matching linear layers (needs rngs; default nnx.Rngs(0)).
+    strict: raise if params holds tensors the model does not use (other than rotary buffers).
+    int8_numerics: for Int8Weight layers, "weight_only" (dequantize + matmul: what bitsandbytes'
+      training path computes) or "llm_int8" (bitsandbytes' inference numerics: int8 activations
+      with fp16 outliers above the checkpoint's llm_int8_threshold).
+    """
+    cfg = ModelConfig.from_hf(config)
+    src = _Source(params, quantize=quantize, compute_dtype=compute_dtype, backend=backend, param_dtype=param_dtype,
+                  int8_numerics=int8_numerics)
+    model = CausalLM(cfg, src, compute_dtype=compute_dtype, remat=remat, backend=backend)
+    if strict:
+        unused = [k for k in params if k not in src.used and not k.endswith(_IGNORABLE_SUFFIXES)
+                  and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+        if unused:
+            raise ValueError(f"checkpoint tensors not used by the {cfg.model_type} model: {unused[:8]}"
+                             + (" ..." if len(unused) > 8 else ""))
+    if lora is not None:
+        apply_lora(model, lora, rngs if rngs is not None else nnx.Rngs(0))
+    return model
+
+
+def init_params(config: Union[Mapping, ModelConfig], seed: int = 0, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random HF-keyed params (dense) for a config: for tests and demos without a checkpoint.
+    Linear/embedding weights ~ N(0, std); norm weights ~ 1 + N(0, 0.1); biases ~ N(0, std)."""
+    c = ModelConfig.from_hf(config)
+    rng = np.random.default_rng(seed)
+    normal = lambda shape: jnp.asarray(rng.normal(0.0, std, shape).astype(np.float32), dtype)  # noqa: E731
+    ones = lambda shape: jnp.asarray((1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32), dtype)  # noqa: E731
+    p = {"model.embed_tokens.weight": normal((c.vocab_size, c.hidden_size)),
+         "model.norm.weight": ones((c.hidden_size,))}
+    if not c.tie_word_embeddings:
+        p["lm_head.weight"] = normal((c.vocab_size, c.hidden_size))
+    for i in range(c.num_hidden_layers):
+        pre = f"model.layers.{i}"
+        lin = {"self_attn.q_proj": (c.q_features, c.hidden_size, c.qkv_bias),
+               "self_attn.k_proj": (c.kv_features, c.hidden_size, c.qkv_bias),
+               "self_attn.v_proj": (c.kv_features, c.hidden_size, c.qkv_bias),
+               "self_attn.o_proj": (c.hidden_size, c.q_features, c.o_bias),
+               "mlp.gate_proj": (c.intermediate_size, c.hidden_size, c.mlp_bias),
+               "mlp.up_proj": (c.intermediate_size, c.hidden_size, c.mlp_bias),
+               "mlp.down_proj": (c.hidden_size, c.intermediate_size, c.mlp_bias)}
+        for n, (o, i_, has_bias) in lin.items():
+            p[f"{pre}.{n}.weight"] = normal((o, i_))
+            if has_bias:
+                p[f"{pre}.{n}.bias"] = normal((o,))
+        p[f"{pre}.input_layernorm.weight"] = ones((c.hidden_size,))
+        p[f"{pre}.post_attention_layernorm.weight"] = ones((c.hidden_size,))
+        if c.qk_norm:
+            p[f"{pre}.self_attn.q_norm.weight"] = ones((c.head_dim,))
+            p[f"{pre}.self_attn.k_norm.weight"] = ones((c.head_dim,))
+    return p
