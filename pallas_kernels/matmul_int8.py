@@ -1,0 +1,413 @@
+"""Weight-only int8 (LLM.int8 row-wise) matmul kernels: y = x @ W.T and dx = dy @ W.
+
+A weight is CB int8 (N, K) plus SCB float32 (N,) (row absmax);
+W ~= CB * SCB[:, None] / 127, N = out_features, K = in_features.
+
+Reference numerics (`matmul_int8_reference`, `matmul_int8_t_reference`) follow bitsandbytes'
+weight-only path (`MatMul8bitFp` forward and the `MatMul8bitLt` / `MatMul8bitFp` backward):
+    W_c = (CB.f32 * (SCB * f32(1/127))[:, None]).astype(compute_dtype)   (bnb: CB.to(dtype).mul_(SCB*(1/127)))
+    y   = x @ W_c.T, float32 accumulation, one rounding to out_dtype.
+`dequantize_int8_reference(cb, scb, dtype)` gives W_c (bit-exact with that bnb expression).
+Note bnb's `int8_vectorwise_dequant` (used by transformers/PEFT and by the LLM.int8 outlier path)
+associates differently: (CB * SCB) * f32(1/127); `dequantize_int8_vectorwise_reference` gives that.
+
+Kernels (Pallas, Triton lowering on GPU, interpret mode on CPU):
+- `matmul_int8`: tiled (bm, bn) programs, K loop inside; by default (`dequant="epilogue"`) it
+  computes acc = x @ CB_tile.astype(x.dtype).T in fp32 (int8 -> 16-bit is exact) and multiplies
+  acc by SCB/127 per output column in the epilogue. This is mathematically equal to the reference
+  but not bitwise (the reference rounds each W element to x.dtype; the epilogue form does not, so
+  it is if anything closer to the exact product). `dequant="tile"` dequantizes each CB tile in
+  registers exactly like the reference (fp32 math, one rounding to x.dtype) and differs from the
+  reference only by accumulation order.
+- `matmul_int8_splitk`: small M (<= 64): grid over (N tiles, K splits), each program streams its
+  CB slice once; fp32 partials are summed and scaled in a small XLA epilogue.
+- `matmul_int8_t`: dx = dy @ W without W in memory: dy tile columns are scaled by SCB/127 in fp32,
+  rounded to dy.dtype, then dy_scaled @ CB_tile (CB cast to dy.dtype), fp32 accumulation.
+
+Shapes that are not multiples of the tile are zero-padded in the wrapper (a copy of CB when N or K
+is not a multiple of the tile; typical model dimensions are multiples of 128 and are not copied).
+Block sizes are powers of two; int8 tiles are used with K-blocks >= 32.
+fp32 inputs use an IEEE fp32 dot (Precision.HIGHEST, no TF32).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.registry import Variant
+
+__all__ = [
+    "INV127",
+    "dequantize_int8_reference",
+    "dequantize_int8_vectorwise_reference",
+    "matmul_int8",
+    "matmul_int8_splitk",
+    "matmul_int8_t",
+    "matmul_int8_reference",
+    "matmul_int8_t_reference",
+    "VARIANTS",
+]
+
+# float32(1/127): bnb's 1.0/127.0 and 7.874015718698502e-3 are both this value in fp32.
+INV127 = np.float32(1.0 / 127.0)
+_NT = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: a @ b.T
+_NN = (((1,), (0,)), ((), ()))
+
+
+# ----------------------------------------------------------------------------- small helpers
+def _triton_params(num_warps, num_stages):
+    """Triton compiler params (pallas_kernels._compat's shim; the class is `CompilerParams` in jax
+    0.10.2 and 0.11.2). Passing them explicitly also keeps pallas_call on the Triton lowering
+    whatever `jax_pallas_use_mosaic_gpu` says. Ignored in interpret mode."""
+    try:
+        from pallas_kernels._compat import compiler_params
+
+        return compiler_params(num_warps=num_warps, num_stages=num_stages)
+    except (ImportError, AttributeError):  # pragma: no cover - fallback if the shim moves
+        pass
+    try:
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    except Exception:  # pragma: no cover - a jax without the Triton backend
+        return None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _clamp_block(n: int, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, _next_pow2(n))))
+
+
+def _check_block(name: str, b: int) -> int:
+    b = int(b)
+    if b < 16 or b & (b - 1):
+        raise ValueError(f"{name}={b}: block sizes must be powers of two >= 16")
+    return b
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad2(a, rows: int, cols: int):
+    pr, pc = rows - a.shape[0], cols - a.shape[1]
+    if pr == 0 and pc == 0:
+        return a
+    return jnp.pad(a, ((0, pr), (0, pc)))
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _check_weight(name, x, cb, scb, x_dim: int, x_label: str):
+    if x.ndim != 2:
+        raise ValueError(f"{name}: {x_label} must be 2-D, got shape {x.shape}")
+    if cb.ndim != 2 or cb.dtype != jnp.int8:
+        raise ValueError(f"{name}: cb must be int8 of shape (N, K), got {cb.dtype} {cb.shape}")
+    if scb.shape != (cb.shape[0],):
+        raise ValueError(f"{name}: scb must have shape ({cb.shape[0]},), got {scb.shape}")
+    if x.shape[1] != cb.shape[x_dim]:
+        raise ValueError(
+            f"{name}: {x_label} has {x.shape[1]} columns but cb has shape {cb.shape} "
+            f"(expected dim {x_dim} to match)")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name}: {x_label} must be floating point, got {x.dtype}")
+
+
+def _row_scale(scb):
+    """SCB * f32(1/127) in float32, as bitsandbytes' `SCB.mul(1.0 / 127.0)`."""
+    return scb.astype(jnp.float32) * INV127
+
+
+# ----------------------------------------------------------------------------- references
+def dequantize_int8_reference(cb, scb, dtype=jnp.float32):
+    """W = CB * (SCB * f32(1/127)) in fp32, one rounding to `dtype` (bnb `MatMul8bitFp` / backward)."""
+    w = cb.astype(jnp.float32) * _row_scale(scb)[:, None]
+    return w.astype(dtype)
+
+
+def dequantize_int8_vectorwise_reference(cb, scb, dtype=jnp.float32):
+    """W = (CB * SCB) * f32(1/127) in fp32, then `dtype` (bnb `int8_vectorwise_dequant` + cast)."""
+    w = (cb.astype(jnp.float32) * scb.astype(jnp.float32)[:, None]) * INV127
+    return w.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def matmul_int8_reference(x, cb, scb, *, out_dtype=None, interpret=False):
+    """jnp oracle: x @ dequantize_int8_reference(cb, scb, x.dtype).T, fp32 accumulation."""
+    del interpret
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    w = dequantize_int8_reference(cb, scb, x.dtype)
+    y = lax.dot_general(x, w, _NT, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def matmul_int8_t_reference(dy, cb, scb, *, out_dtype=None, interpret=False):
+    """jnp oracle: dy @ dequantize_int8_reference(cb, scb, dy.dtype), fp32 accumulation."""
+    del interpret
+    out_dtype = dy.dtype if out_dtype is None else out_dtype
+    w = dequantize_int8_reference(cb, scb, dy.dtype)
+    y = lax.dot_general(dy, w, _NN, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- y = x @ W.T
+def _wo_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, dequant):
+    bm, bn = o_ref.shape
+    cdt = x_ref.dtype
+    prec = _precision(cdt)
+    if dequant == "tile":
+        s_col = s_ref[...]  # (bn, 1) f32
+
+    def body(k, acc):
+        ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
+        x = x_ref[:, ks]
+        cbt = cb_ref[:, ks]
+        if dequant == "tile":
+            w = (cbt.astype(jnp.float32) * s_col).astype(cdt)
+        else:
+            w = cbt.astype(cdt)  # exact: |cb| <= 127
+        return acc + lax.dot_general(x, w, _NT, precision=prec,
+                                     preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+    if dequant == "epilogue":
+        acc = acc * s_ref[...]  # (1, bn) f32
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("out_dtype", "interpret", "dequant", "block_m", "block_n", "block_k",
+                     "num_warps", "num_stages"))
+def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogue",
+                block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=3):
+    """y = x @ W.T with W = CB * SCB[:, None] / 127; x (M, K) float, cb (N, K) int8, scb (N,) f32.
+
+    Compute in x.dtype (bf16/fp16 matrix product, or IEEE fp32 for fp32 x), fp32 accumulation,
+    one rounding to out_dtype (default x.dtype). dequant="epilogue" (default, faster): SCB/127 is
+    applied per output column after the K loop; dequant="tile": each CB tile is dequantized to
+    x.dtype in registers like the reference. Both agree with `matmul_int8_reference` to within
+    rounding (not bitwise).
+    """
+    _check_weight("matmul_int8", x, cb, scb, 1, "x")
+    if dequant not in ("epilogue", "tile"):
+        raise ValueError(f"matmul_int8: dequant must be 'epilogue' or 'tile', got {dequant!r}")
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    m, k = x.shape
+    n = cb.shape[0]
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), out_dtype)
+    bm = _check_block("block_m", block_m or _clamp_block(m, 16, 128))
+    bn = _check_block("block_n", block_n or _clamp_block(n, 16, 128))
+    bk = _check_block("block_k", block_k or _clamp_block(k, 32, 64))
+    mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
+    nk = kp // bk
+    xp = _pad2(x, mp, kp)
+    cbp = _pad2(cb, np_, kp)
+    s = jnp.pad(_row_scale(scb), (0, np_ - n))
+    if dequant == "tile":
+        s_arr, s_spec = s[:, None], pl.BlockSpec((bn, 1), lambda i, j: (j, 0))
+    else:
+        s_arr, s_spec = s[None, :], pl.BlockSpec((1, bn), lambda i, j: (0, j))
+    if num_warps is None:
+        num_warps = 8 if bm * bn >= 128 * 128 else 4
+    out = pl.pallas_call(
+        functools.partial(_wo_kernel, nk=nk, bk=bk, dequant=dequant),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(mp // bm, np_ // bn),
+        in_specs=[
+            pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((bn, kp), lambda i, j: (j, 0)),
+            s_spec,
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=_triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="matmul_int8",
+    )(xp, cbp, s_arr)
+    return out[:m, :n]
+
+
+# ----------------------------------------------------------------------------- small M, split K
+def _splitk_kernel(x_ref, cb_ref, o_ref, *, nk, bk):
+    bm, bn = o_ref.shape
+    cdt = x_ref.dtype
+    prec = _precision(cdt)
+
+    def body(k, acc):
+        ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
+        w = cb_ref[:, ks].astype(cdt)
+        return acc + lax.dot_general(x_ref[:, ks], w, _NT, precision=prec,
+                                     preferred_element_type=jnp.float32)
+
+    o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
+                     "num_stages"))
+def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=None,
+                       block_k=None, splits=None, num_warps=4, num_stages=3):
+    """Small-M (M <= 64) form of `matmul_int8` (epilogue scaling): grid (N tiles, K splits), each
+    program streams its (block_n, K/splits) slice of CB once against all M rows (padded to 16..64);
+    the fp32 partial sums are added and scaled by SCB/127 in XLA. Same numerics class as
+    `matmul_int8(dequant="epilogue")` (different summation order)."""
+    _check_weight("matmul_int8_splitk", x, cb, scb, 1, "x")
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    m, k = x.shape
+    n = cb.shape[0]
+    if m > 64:
+        raise ValueError(f"matmul_int8_splitk: M={m} > 64; use matmul_int8")
+    if m == 0 or n == 0:
+        return jnp.zeros((m, n), out_dtype)
+    bm = _clamp_block(m, 16, 64)
+    bn = _check_block("block_n", block_n or _clamp_block(n, 16, 64))
+    bk = _check_block("block_k", block_k or _clamp_block(k, 32, 128))
+    np_ = _round_up(n, bn)
+    n_tiles = np_ // bn
+    nk_total = -(-k // bk)
+    if splits is None:
+        # aim for ~256 programs (about 2 waves on a 132-SM H100), at least 2 K tiles per split
+        splits = max(1, min(nk_total // 2 if nk_total >= 4 else 1, -(-256 // n_tiles)))
+    splits = int(max(1, min(int(splits), nk_total)))
+    per = -(-nk_total // splits)
+    splits = -(-nk_total // per)  # drop empty splits
+    kp = splits * per * bk
+    xp = _pad2(x, bm, kp)
+    cbp = _pad2(cb, np_, kp)
+    part = pl.pallas_call(
+        functools.partial(_splitk_kernel, nk=per, bk=bk),
+        out_shape=jax.ShapeDtypeStruct((splits * bm, np_), jnp.float32),
+        grid=(n_tiles, splits),
+        in_specs=[
+            pl.BlockSpec((bm, per * bk), lambda j, s: (0, s)),
+            pl.BlockSpec((bn, per * bk), lambda j, s: (j, s)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda j, s: (s, j)),
+        compiler_params=_triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="matmul_int8_splitk",
+    )(xp, cbp)
+    acc = part.reshape(splits, bm, np_).sum(axis=0)[:m, :n]
+    return (acc * _row_scale(scb)[None, :]).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- dx = dy @ W
+def _t_kernel(dy_ref, cb_ref, s_ref, o_ref, *, nn, bn):
+    bm, bk = o_ref.shape
+    cdt = dy_ref.dtype
+    prec = _precision(cdt)
+
+    def body(j, acc):
+        ns = pl.ds(pl.multiple_of(j * bn, bn), bn)
+        dys = (dy_ref[:, ns].astype(jnp.float32) * s_ref[:, ns]).astype(cdt)  # (bm, bn)
+        w = cb_ref[ns, :].astype(cdt)  # (bn, bk), exact
+        return acc + lax.dot_general(dys, w, _NN, precision=prec,
+                                     preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, nn, body, jnp.zeros((bm, bk), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps",
+                     "num_stages"))
+def matmul_int8_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None, block_n=None,
+                  block_k=None, num_warps=None, num_stages=3):
+    """dx = dy @ W (M, K) for dy (M, N), without materializing W: each dy tile is scaled per column
+    by SCB/127 in fp32 and rounded to dy.dtype, then multiplied by CB (cast to dy.dtype, exact),
+    fp32 accumulation, one rounding to out_dtype (default dy.dtype). block_n is the reduction
+    block (over N), block_k the output-column block (over K)."""
+    _check_weight("matmul_int8_t", dy, cb, scb, 0, "dy")
+    out_dtype = dy.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    m, n = dy.shape
+    k = cb.shape[1]
+    if m == 0 or k == 0:
+        return jnp.zeros((m, k), out_dtype)
+    bm = _check_block("block_m", block_m or _clamp_block(m, 16, 128))
+    bn = _check_block("block_n", block_n or _clamp_block(n, 32, 64))
+    bk = _check_block("block_k", block_k or _clamp_block(k, 16, 128))
+    mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
+    dyp = _pad2(dy, mp, np_)
+    cbp = _pad2(cb, np_, kp)
+    s = jnp.pad(_row_scale(scb), (0, np_ - n))[None, :]
+    if num_warps is None:
+        num_warps = 8 if bm * bk >= 128 * 128 else 4
+    out = pl.pallas_call(
+        functools.partial(_t_kernel, nn=np_ // bn, bn=bn),
+        out_shape=jax.ShapeDtypeStruct((mp, kp), out_dtype),
+        grid=(mp // bm, kp // bk),
+        in_specs=[
+            pl.BlockSpec((bm, np_), lambda i, j: (i, 0)),
+            pl.BlockSpec((np_, bk), lambda i, j: (0, j)),
+            pl.BlockSpec((1, np_), lambda i, j: (0, 0)),
+        ],
+        out_specs=pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
+        compiler_params=_triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="matmul_int8_t",
+    )(dyp, cbp, s)
+    return out[:m, :k]
+
+
+def _matmul_int8_tile(x, cb, scb, *, out_dtype=None, interpret=False):
+    return matmul_int8(x, cb, scb, out_dtype=out_dtype, interpret=interpret, dequant="tile")
+
+
+def _supports_all(m, n, k, blocksize=None):
+    return True
+
+
+def _supports_small_m(m, n, k, blocksize=None):
+    return 0 < m <= 64
+
+
+VARIANTS = (
+    Variant(
+        name="int8_weight_only",
+        op="matmul_int8",
+        fn=matmul_int8,
+        reference=matmul_int8_reference,
+        supports=_supports_all,
+        description="tiled (bm,bn) x K-loop; CB tile cast to x.dtype, SCB/127 in the epilogue",
+    ),
+    Variant(
+        name="int8_weight_only_dq",
+        op="matmul_int8",
+        fn=_matmul_int8_tile,
+        reference=matmul_int8_reference,
+        supports=_supports_all,
+        description="tiled; CB tile dequantized in registers (fp32 math, one rounding) like bnb",
+    ),
+    Variant(
+        name="int8_weight_only_splitk",
+        op="matmul_int8",
+        fn=matmul_int8_splitk,
+        reference=matmul_int8_reference,
+        supports=_supports_small_m,
+        description="M<=64: grid (N tiles, K splits), CB streamed once, fp32 partials summed",
+    ),
+    Variant(
+        name="int8_weight_only_t",
+        op="matmul_int8_t",
+        fn=matmul_int8_t,
+        reference=matmul_int8_t_reference,
+        supports=_supports_all,
+        description="dy @ W: dy columns scaled by SCB/127 in-tile, then dy_s @ CB, no W in memory",
+    ),
+)

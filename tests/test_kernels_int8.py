@@ -1,0 +1,478 @@
+"""Int8 kernels (weight-only and LLM.int8) against their jnp references, float64 numpy and
+bitsandbytes (CPU).
+
+Kernels run in Pallas interpret mode on CPU and compiled (Triton) on a GPU backend.
+
+Tolerances (elementwise, |got - want| <= bound):
+- weight-only kernels vs reference: the reference rounds every dequantized weight to the compute
+  dtype, the default kernel scales in the fp32 epilogue instead, and fp32 sums run in another
+  order:  bound = u_c * (|x| @ |W|.T) + 2 * eps32 * (|x| @ |W|.T) + 1 ulp(out_dtype, |want|),
+  u_c = eps(compute dtype) / 2.
+- LLM.int8 kernel vs reference: identical int32 products and epilogue formula; fp32 sums in another
+  order and FMA contraction:  bound = 1 ulp(out_dtype) + 8 * eps32 * (|x16| @ |W|.T).
+- vs bitsandbytes 0.50.2 (CPU default ops), with out_term = 8 * eps32 * (|x_outlier_cols| @ |W|.T)
+  (the fp32 outlier product is summed in another order than torch's addmm; it matters only where
+  the int8 part and the outlier part cancel):
+  fp16/bf16 x: 1 ulp of the output + out_term, and at least 99% of elements bitwise equal;
+  fp32 x: 2 * eps32 * (|y| + |bias|) (XLA contracts acc*scale*c + bias into an FMA, torch rounds
+  twice) + out_term. The dequant constant matters: with fp32 x the CUDA constant 1/16129 instead
+  of the CPU op's 6.200124e-05 fails this bound (checked).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import matmul_int8 as mi
+from pallas_kernels import matmul_llm_int8 as ml
+from pallas_kernels.registry import OPS, Variant
+
+INTERPRET = jax.default_backend() != "gpu"
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+MS = [1, 3, 17, 64, 130]
+N, K = 72, 200  # not multiples of any tile
+EPS32 = float(np.finfo(np.float32).eps)
+ALL_VARIANTS = mi.VARIANTS + ml.VARIANTS
+VARIANT = {v.name: v for v in ALL_VARIANTS}
+
+
+# ----------------------------------------------------------------------------- helpers
+def _eps(dtype) -> float:
+    return float(jnp.finfo(dtype).eps)
+
+
+def _ulp(a, dtype):
+    """Spacing of `dtype` at |a| (elementwise, float64)."""
+    fi = jnp.finfo(dtype)
+    a = np.maximum(np.abs(np.asarray(a, np.float64)), float(fi.tiny))
+    return float(fi.eps) * np.exp2(np.floor(np.log2(a)))
+
+
+def _f64(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+
+
+def _assert_within(got, want, bound, what):
+    got, want = _f64(got), _f64(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output"
+    err = np.abs(got - want)
+    bad = err > bound
+    if bad.any():
+        i = np.unravel_index(np.argmax(err - bound), err.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{err.size} elements out of tolerance; worst at {i}: "
+            f"got {got[i]!r} want {want[i]!r} err {err[i]:.3g} bound {bound[i]:.3g}")
+
+
+def _quantize_weight_np(w16):
+    """bnb int8_vectorwise_quant of an fp16 weight (numpy float32, torch's op order)."""
+    w = np.asarray(w16, np.float16).astype(np.float32)
+    scb = np.abs(w).max(axis=1)
+    inv = (np.float32(1.0) / scb) * np.float32(127.0)
+    cb = np.round(w * inv[:, None]).astype(np.int8)  # round half to even
+    return cb, scb.astype(np.float32)
+
+
+def _weight(rng, n, k):
+    cb, scb = _quantize_weight_np(rng.standard_normal((n, k)).astype(np.float16))
+    return cb, scb
+
+
+def _w64(cb, scb):
+    return np.asarray(cb, np.float64) * np.asarray(scb, np.float64)[:, None] / 127.0
+
+
+def _activations(rng, m, k, dtype, outliers=True):
+    x = rng.standard_normal((m, k)) * 1.5
+    if outliers:
+        mask = rng.random((m, k)) < 0.01
+        x[mask] = rng.choice([-1.0, 1.0], mask.sum()) * rng.uniform(6.0, 10.0, mask.sum())
+        x[0, 5] = 7.5  # at least one outlier column
+    return jnp.asarray(x, dtype)
+
+
+def _wo_bound(x, cb, scb, want, compute_dtype, out_dtype, transpose=False):
+    w = np.abs(_w64(cb, scb))
+    ax = np.abs(_f64(x))
+    absprod = ax @ w if transpose else ax @ w.T
+    u = _eps(compute_dtype) / 2
+    return (u + 2 * EPS32) * absprod + _ulp(_f64(want), out_dtype)
+
+
+def _llm_bound(x, cb, scb, want, out_dtype):
+    ax = np.abs(_f64(jnp.asarray(x).astype(jnp.float16)))
+    absprod = ax @ np.abs(_w64(cb, scb)).T
+    return _ulp(_f64(want), out_dtype) + 8 * EPS32 * absprod
+
+
+# ----------------------------------------------------------------------------- registry
+def test_variants_registered():
+    names = {v.name for v in ALL_VARIANTS}
+    assert {"int8_weight_only", "int8_weight_only_t", "llm_int8_tiled"} <= names
+    assert len(names) == len(ALL_VARIANTS)
+    for v in ALL_VARIANTS:
+        assert isinstance(v, Variant) and v.op in OPS
+        assert v.supports(1, N, K, 0)
+    assert VARIANT["int8_weight_only"].op == "matmul_int8"
+    assert VARIANT["int8_weight_only_t"].op == "matmul_int8_t"
+    assert VARIANT["llm_int8_tiled"].op == "llm_int8"
+    assert not VARIANT["int8_weight_only_splitk"].supports(65, N, K, 0)
+
+
+# ----------------------------------------------------------------------------- references vs float64
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_dequant_reference_is_one_rounding_of_exact(dtype):
+    rng = np.random.default_rng(0)
+    cb, scb = _weight(rng, N, K)
+    exact = _w64(cb, scb)
+    for fn in (mi.dequantize_int8_reference, mi.dequantize_int8_vectorwise_reference):
+        got = fn(jnp.asarray(cb), jnp.asarray(scb), dtype)
+        assert got.dtype == dtype and got.shape == (N, K)
+        # fp32 math (<= 2 roundings of 2^-24) then one rounding to dtype
+        _assert_within(got, exact, _ulp(exact, dtype) / 2 + 4 * EPS32 * np.abs(exact),
+                       f"{fn.__name__} {jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_weight_only_references_vs_float64(dtype):
+    rng = np.random.default_rng(1)
+    cb, scb = _weight(rng, N, K)
+    w = _w64(cb, scb)
+    x = _activations(rng, 17, K, dtype, outliers=False)
+    dy = jnp.asarray(rng.standard_normal((17, N)), dtype)
+    y = mi.matmul_int8_reference(x, jnp.asarray(cb), jnp.asarray(scb), out_dtype=jnp.float32)
+    _assert_within(y, _f64(x) @ w.T, _wo_bound(x, cb, scb, y, dtype, jnp.float32),
+                   "matmul_int8_reference")
+    dx = mi.matmul_int8_t_reference(dy, jnp.asarray(cb), jnp.asarray(scb), out_dtype=jnp.float32)
+    _assert_within(dx, _f64(dy) @ w, _wo_bound(dy, cb, scb, dx, dtype, jnp.float32, True),
+                   "matmul_int8_t_reference")
+
+
+def _llm_int8_numpy(x, cb, scb, threshold, c, bias=None):
+    """bnb's algorithm literally (gather of outlier columns, rows == 1 special case), quantization
+    in numpy float32 as torch does it, everything after quantization in float64."""
+    xdt = np.asarray(x).dtype
+    a = np.asarray(x).astype(np.float16)
+    m, _ = a.shape
+    outl = np.abs(a) >= np.float16(threshold) if threshold > 0 else np.zeros(a.shape, bool)
+    cols = np.nonzero(outl.any(axis=0))[0]
+    a0 = np.where(outl, np.float16(0), a)
+    sca = np.abs(a0).max(axis=1).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = (np.float32(1.0) / sca) * np.float32(127.0)
+        ca = np.round(a0.astype(np.float32) * inv[:, None])
+    ca = np.where(sca[:, None] > 0, ca, 0).astype(np.int8)
+    if m > 1 and threshold > 0:
+        ca[:, cols] = 0
+    acc = ca.astype(np.int64) @ np.asarray(cb).astype(np.int64).T
+    y = acc * (sca.astype(np.float64)[:, None] * np.asarray(scb, np.float64)[None, :]) * c
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)[None, :]
+    if threshold > 0 and cols.size:
+        sub_a = np.asarray(x).astype(np.float64)[:, cols]
+        y = y + sub_a @ _w64(cb, scb)[:, cols].T
+    return y, ca, sca, cols, xdt
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+def test_llm_int8_reference_vs_numpy_float64(dtype, m, threshold):
+    rng = np.random.default_rng(2 + m)
+    cb, scb = _weight(rng, N, K)
+    x = _activations(rng, m, K, dtype)
+    bias = rng.standard_normal(N).astype(np.float32)
+    xb = np.asarray(jnp.asarray(x).astype(jnp.float32))
+    want, ca_np, sca_np, cols_np, _ = _llm_int8_numpy(
+        xb, cb, scb, threshold, ml.CPU_DEQUANT_CONSTANT,
+        bias=np.asarray(jnp.asarray(bias).astype(dtype).astype(jnp.float32)))
+    ca, sca, cols = ml.quantize_activations_llm_int8(x, threshold)
+    np.testing.assert_array_equal(np.asarray(ca), ca_np)
+    np.testing.assert_array_equal(np.asarray(sca), sca_np)
+    np.testing.assert_array_equal(np.nonzero(np.asarray(cols))[0], cols_np)
+    if threshold > 0:
+        assert cols_np.size > 0
+    got = ml.llm_int8_matmul_reference(x, jnp.asarray(cb), jnp.asarray(scb), threshold=threshold,
+                                       bias=jnp.asarray(bias))
+    assert got.dtype == dtype
+    # two roundings to x.dtype (int8 part, then after adding the outliers), the outlier weights
+    # rounded to x.dtype, fp32 epilogue
+    xo = np.zeros_like(xb)
+    xo[:, cols_np] = xb[:, cols_np]
+    bound = (2 * _ulp(want, dtype) + _eps(dtype) * (np.abs(xo) @ np.abs(_w64(cb, scb)).T)
+             + 8 * EPS32 * (np.abs(xb) @ np.abs(_w64(cb, scb)).T))
+    _assert_within(got, want, bound, "llm_int8_matmul_reference")
+
+
+# ----------------------------------------------------------------------------- kernels vs references
+# Every M and every dtype for the main variants; the other variants (and threshold 0) run each M
+# once, with the dtype rotating, to keep CI time down (each case compiles a kernel: ~1 s).
+_FULL = {("int8_weight_only", None), ("int8_weight_only_t", None), ("llm_int8_tiled", 6.0)}
+_PARTIAL = [("int8_weight_only_dq", None), ("int8_weight_only_splitk", None),
+            ("llm_int8_tiled", 0.0), ("llm_int8_tiled_skip", 6.0)]
+
+
+def _kernel_cases():
+    cases = []
+
+    def add(name, m, dt, t):
+        tid = "" if t is None else f"-t{t:g}"
+        cases.append(pytest.param(name, m, dt, t, id=f"{name}-M{m}-{jnp.dtype(dt).name}{tid}"))
+
+    for name, t in sorted(_FULL, key=str):
+        for m in MS:
+            for dt in DTYPES:
+                add(name, m, dt, t)
+    for j, (name, t) in enumerate(_PARTIAL):
+        for i, m in enumerate(m for m in MS if VARIANT[name].supports(m, N, K, 0)):
+            add(name, m, DTYPES[(i + j) % len(DTYPES)], t)
+    covered = {c.values[0] for c in cases}
+    assert covered == set(VARIANT), set(VARIANT) - covered  # a new variant must be added here
+    return cases
+
+
+def _run_and_check(v: Variant, m, n, k, dtype, threshold, seed, out_dtype=None, zero_row=False):
+    rng = np.random.default_rng(seed)
+    cb, scb = _weight(rng, n, k)
+    cbj, scbj = jnp.asarray(cb), jnp.asarray(scb)
+    if v.op == "matmul_int8_t":
+        a = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    else:
+        a = _activations(rng, m, k, dtype, outliers=v.op == "llm_int8")
+    if zero_row:
+        a = a.at[m // 2].set(0)
+    od = dtype if out_dtype is None else out_dtype
+    if v.op == "llm_int8":
+        got = v.fn(a, cbj, scbj, threshold=threshold, out_dtype=od, interpret=INTERPRET)
+        want = v.reference(a, cbj, scbj, threshold=threshold, out_dtype=od)
+        bound = _llm_bound(a, cb, scb, want, od)
+    else:
+        got = v.fn(a, cbj, scbj, out_dtype=od, interpret=INTERPRET)
+        want = v.reference(a, cbj, scbj, out_dtype=od)
+        bound = _wo_bound(a, cb, scb, want, dtype, od, transpose=v.op == "matmul_int8_t")
+    exp_shape = (m, k) if v.op == "matmul_int8_t" else (m, n)
+    assert got.shape == exp_shape and got.dtype == jnp.dtype(od), (got.shape, got.dtype)
+    _assert_within(got, want, bound, f"{v.name} M={m} N={n} K={k} {jnp.dtype(dtype).name}")
+    return got, want
+
+
+@pytest.mark.parametrize("name,m,dtype,threshold", _kernel_cases())
+def test_kernel_matches_reference(name, m, dtype, threshold):
+    _run_and_check(VARIANT[name], m, N, K, dtype, threshold, seed=10 + m)
+
+
+@pytest.mark.parametrize("name", ["int8_weight_only", "int8_weight_only_t", "llm_int8_tiled"])
+def test_out_dtype_differs_from_input(name):
+    v = VARIANT[name]
+    _run_and_check(v, 17, N, K, jnp.bfloat16, 6.0, seed=3, out_dtype=jnp.float32)
+
+
+def test_llm_int8_tile_exact_in_interpret_mode():
+    """On CPU the kernel's int32 GEMM and epilogue equal the reference bit for bit (threshold 0)."""
+    if not INTERPRET:
+        pytest.skip("bitwise check is for interpret mode")
+    rng = np.random.default_rng(4)
+    cb, scb = _weight(rng, N, K)
+    x = _activations(rng, 130, K, jnp.float16)
+    args = (x, jnp.asarray(cb), jnp.asarray(scb))
+    got = ml.llm_int8_matmul(*args, threshold=0.0, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(ml.llm_int8_matmul_reference(*args, threshold=0.0)))
+
+
+def test_tolerance_rejects_wrong_results():
+    """The checks above can fail: a 1/128 scale, a wrong row scale, or a missing outlier part."""
+    rng = np.random.default_rng(5)
+    cb, scb = _weight(rng, N, K)
+    cbj, scbj = jnp.asarray(cb), jnp.asarray(scb)
+    x = _activations(rng, 17, K, jnp.float32, outliers=False)
+    want = mi.matmul_int8_reference(x, cbj, scbj)
+    bad = mi.matmul_int8(x, cbj, scbj * (127.0 / 128.0), interpret=INTERPRET)
+    with pytest.raises(AssertionError):
+        _assert_within(bad, want, _wo_bound(x, cb, scb, want, jnp.float32, jnp.float32), "wrong")
+    xb = _activations(rng, 17, K, jnp.bfloat16, outliers=False)
+    want = mi.matmul_int8_reference(xb, cbj, scbj)
+    bad = mi.matmul_int8(xb, cbj, scbj[::-1], interpret=INTERPRET)
+    with pytest.raises(AssertionError):
+        _assert_within(bad, want, _wo_bound(xb, cb, scb, want, jnp.bfloat16, jnp.bfloat16), "w")
+    x16 = _activations(rng, 17, K, jnp.float16)
+    want = ml.llm_int8_matmul_reference(x16, cbj, scbj, threshold=6.0)
+    bad = ml.llm_int8_matmul(x16, cbj, scbj, threshold=0.0, interpret=INTERPRET)
+    with pytest.raises(AssertionError):
+        _assert_within(bad, want, _llm_bound(x16, cb, scb, want, jnp.float16), "no outliers")
+
+
+def test_input_errors_are_clear():
+    cb = jnp.zeros((N, K), jnp.int8)
+    scb = jnp.ones((N,), jnp.float32)
+    with pytest.raises(ValueError, match="x has 7 columns"):
+        mi.matmul_int8(jnp.zeros((3, 7)), cb, scb, interpret=True)
+    with pytest.raises(ValueError, match="cb must be int8"):
+        mi.matmul_int8_t(jnp.zeros((3, N)), cb.astype(jnp.float32), scb, interpret=True)
+    with pytest.raises(ValueError, match="scb must have shape"):
+        ml.llm_int8_matmul(jnp.zeros((3, K)), cb, scb[:5], threshold=0.0, interpret=True)
+    with pytest.raises(ValueError, match="M=65 > 64"):
+        mi.matmul_int8_splitk(jnp.zeros((65, K)), cb, scb, interpret=True)
+
+
+# ----------------------------------------------------------------------------- property test
+@settings(max_examples=5, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(sorted(VARIANT)),
+    m=st.integers(1, 70),
+    n=st.integers(1, 90),
+    k=st.integers(1, 140),
+    dtype=st.sampled_from(DTYPES),
+    threshold=st.sampled_from([0.0, 2.0, 6.0]),
+    zero_row=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_kernels_match_references(name, m, n, k, dtype, threshold, zero_row, seed):
+    v = VARIANT[name]
+    if not v.supports(m, n, k, 0):
+        m = min(m, 64)
+    _run_and_check(v, m, n, k, dtype, threshold, seed, zero_row=zero_row)
+
+
+# ----------------------------------------------------------------------------- Triton lowering
+def test_kernels_lower_for_triton(monkeypatch):
+    """Lower every kernel for the CUDA platform (Pallas -> Triton IR) without a GPU: checks that the
+    kernels only use ops the Triton lowering accepts (power-of-two tiles, int8 dot, ...)."""
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as pcr
+    except Exception:  # pragma: no cover
+        pytest.skip("no Pallas Triton backend in this jax")
+    gi = getattr(pcr, "gpu_info_lib", None)  # jax >= 0.11 asks the device for its GPU kind
+    if gi is not None and jax.default_backend() != "gpu":
+        try:
+            info = gi.get_gpu_info_from_version(gi.GpuVersion.H100)
+        except Exception:  # pragma: no cover
+            pytest.skip("cannot fake a GPU for the Triton lowering in this jax")
+        monkeypatch.setattr(gi, "get_gpu_info", lambda: info)
+    m, n, k = 130, 72, 320  # K/64 = 5 tiles (the flag array is not a power of two)
+    dt = jnp.bfloat16
+    x = jax.ShapeDtypeStruct((m, k), dt)
+    xs = jax.ShapeDtypeStruct((5, k), dt)
+    dy = jax.ShapeDtypeStruct((m, n), dt)
+    cb = jax.ShapeDtypeStruct((n, k), jnp.int8)
+    scb = jax.ShapeDtypeStruct((n,), jnp.float32)
+    bias = jax.ShapeDtypeStruct((n,), dt)
+    jobs = {
+        "int8_weight_only": (lambda a, b, c: mi.matmul_int8(a, b, c), (x, cb, scb)),
+        "int8_weight_only_dq": (lambda a, b, c: mi.matmul_int8(a, b, c, dequant="tile"),
+                                (x, cb, scb)),
+        "int8_weight_only_splitk": (lambda a, b, c: mi.matmul_int8_splitk(a, b, c), (xs, cb, scb)),
+        "int8_weight_only_t": (lambda a, b, c: mi.matmul_int8_t(a, b, c), (dy, cb, scb)),
+        "llm_int8_tiled": (lambda a, b, c, d: ml.llm_int8_matmul(a, b, c, threshold=6.0, bias=d),
+                           (x, cb, scb, bias)),
+        "llm_int8_tiled_skip": (
+            lambda a, b, c: ml.llm_int8_matmul(a, b, c, threshold=6.0, skip_clean_tiles=True,
+                                               fp16_first=True), (x, cb, scb)),
+        "llm_int8_t0_f32": (lambda a, b, c: ml.llm_int8_matmul(a.astype(jnp.float32), b, c),
+                            (x, cb, scb)),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton is deprecated"
+        for label, (fn, args) in jobs.items():
+            try:
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            except RuntimeError as e:
+                if "GPU" in str(e) and "device" in str(e):
+                    pytest.skip(f"Triton lowering needs a GPU here: {e}")
+                raise AssertionError(f"{label}: Triton lowering failed: {e}") from e
+
+
+# ----------------------------------------------------------------------------- bitsandbytes
+@pytest.fixture(scope="module")
+def bnb():
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    return torch, bnb
+
+
+def _bnb_linear(torch, bnb, threshold, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w16 = torch.randn(N, K, generator=g).to(torch.float16)
+    lin = bnb.nn.Linear8bitLt(K, N, bias=True, has_fp16_weights=False, threshold=threshold)
+    lin.weight = bnb.nn.Int8Params(w16.clone(), requires_grad=False, has_fp16_weights=False)
+    with torch.no_grad():
+        lin.bias.copy_(torch.randn(N, generator=g))
+    lin = lin.to("cpu")  # Int8Params._quantize: CB, SCB from the fp16 weight
+    lin.eval()
+    cb, scb = lin.weight.CB.numpy().copy(), lin.weight.SCB.numpy().copy()
+    ref_cb, ref_scb = _quantize_weight_np(w16.numpy())
+    np.testing.assert_array_equal(cb, ref_cb)
+    np.testing.assert_array_equal(scb, ref_scb)
+    return lin, cb, scb
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+def test_activation_quant_matches_bnb(bnb, m, threshold):
+    torch, bnb = bnb
+    rng = np.random.default_rng(6)
+    x = np.asarray(_activations(rng, m, K, jnp.float16))
+    CA, SCA, cols = bnb.functional.int8_vectorwise_quant(torch.from_numpy(x.copy()), threshold)
+    ca, sca, mask = ml.quantize_activations_llm_int8(jnp.asarray(x), threshold)
+    np.testing.assert_array_equal(np.asarray(ca), CA.numpy())
+    np.testing.assert_array_equal(np.asarray(sca), SCA.numpy())
+    want_cols = np.array([], np.int64) if cols is None else cols.numpy()
+    np.testing.assert_array_equal(np.nonzero(np.asarray(mask))[0], want_cols)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_llm_int8_matches_bitsandbytes_linear8bitlt(bnb, threshold, dtype):
+    torch, bnb = bnb
+    tdt = {jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16,
+           jnp.float16: torch.float16}[dtype]
+    lin, cb, scb = _bnb_linear(torch, bnb, threshold)
+    bias = jnp.asarray(lin.bias.detach().float().numpy())
+    rng = np.random.default_rng(7)
+    for m in (1, 130):  # rows == 1 is a special case in bnb; 130 rows span two M tiles
+        x = _activations(rng, m, K, dtype)
+        xt = torch.from_numpy(np.array(x.astype(jnp.float32))).to(tdt)
+        with torch.no_grad():
+            y_t = lin(xt)
+        assert y_t.dtype == tdt
+        y_bnb = y_t.float().numpy()
+        if threshold > 0:
+            assert lin.state.idx is not None and lin.state.idx.numel() > 0  # outliers exercised
+        args = (x, jnp.asarray(cb), jnp.asarray(scb))
+        outs = {
+            "kernel": ml.llm_int8_matmul(*args, threshold=threshold, bias=bias,
+                                         interpret=INTERPRET),
+            "reference": ml.llm_int8_matmul_reference(*args, threshold=threshold, bias=bias),
+        }
+        for label, y in outs.items():
+            what = f"{label} vs bnb M={m} t={threshold} {jnp.dtype(dtype).name}"
+            assert y.dtype == dtype
+            outl = 0.0
+            if threshold > 0:  # fp32 outlier product summed in another order (torch addmm)
+                xo = np.abs(_f64(x)) * (np.abs(_f64(x.astype(jnp.float16))) >= threshold).any(0)
+                outl = 8 * EPS32 * (xo @ np.abs(_w64(cb, scb)).T)
+            if dtype == jnp.float32:
+                # FMA contraction of (acc * scale * c) + bias: up to 1 ulp of the larger term
+                bound = 2 * EPS32 * (np.abs(y_bnb) + np.abs(_f64(bias))[None, :]) + outl
+            else:
+                bound = _ulp(y_bnb, dtype) + outl
+                frac = float(np.mean(_f64(y) == y_bnb))
+                assert frac >= 0.99, f"{what}: only {frac:.4f} bitwise equal"
+            _assert_within(y, y_bnb, bound, what)
+        if dtype == jnp.float32:  # the constant is checked: the CUDA value is rejected
+            y_cuda = ml.llm_int8_matmul_reference(*args, threshold=threshold, bias=bias,
+                                                  dequant_constant=ml.CUDA_DEQUANT_CONSTANT)
+            with pytest.raises(AssertionError):
+                _assert_within(y_cuda, y_bnb, bound, "cuda constant")
