@@ -1,0 +1,137 @@
+"""One command for the GPU benchmark: `python -m benchmarks.run` (also `jqlora bench`).
+
+Writes benchmarks/results/<gpu>-<yyyy-mm-dd>.json and .md with device name and versions.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+
+from benchmarks import matmul_bench
+
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "jax": jax.__version__}
+    for mod in ("jaxlib", "torch", "bitsandbytes", "triton", "flax"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            out[mod] = None
+    return out
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", str(d))
+
+
+def _memory_runs(log, backend="pallas"):
+    out = {}
+    for mode in ("qmatmul", "dense_residuals"):
+        cmd = [sys.executable, "-m", "benchmarks.memory_bench", "--mode", mode, "--backend", backend]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        line = (r.stdout.strip().splitlines() or [""])[-1]
+        try:
+            out[mode] = json.loads(line)
+        except json.JSONDecodeError:
+            out[mode] = {"error": (r.stderr or r.stdout)[-500:]}
+        log(f"memory {mode}: {out[mode]}")
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# jqlora benchmark: {res['device']} ({res['date']})", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items() if v), "",
+             "Ratio = device time / device time of `jnp.dot` bf16 (same shape, same run); "
+             "NF4 blocksize 64 with double quant, bf16 activations. K x N = in x out.", ""]
+    names = []
+    for cell in res["matmul"]:
+        for n in cell["ratios"]:
+            if n not in names:
+                names.append(n)
+    for key, title in (("fwd_ms", "forward"), ("fwd_bwd_ms", "forward + backward (dx)")):
+        lines += [f"## {title}", "", "| M | K x N | bf16 us | " + " | ".join(names) + " |",
+                  "|---|---|---|" + "---|" * len(names)]
+        for cell in res["matmul"]:
+            base = cell["rows"].get("jnp.dot bf16", {}).get(key)
+            vals = []
+            for n in names:
+                r = cell["ratios"].get(n, {}).get(key)
+                err = cell["rows"].get(n, {}).get("error")
+                vals.append(f"{r:.2f}" if r is not None else ("err" if err else "-"))
+            b = f"{base * 1e3:.1f}" if base else "-"
+            lines.append(f"| {cell['m']} | {cell['k']}x{cell['n']} | {b} | " + " | ".join(vals) + " |")
+        lines.append("")
+    if res.get("dequant"):
+        d = res["dequant"]
+        lines += ["## standalone dequant (NF4 -> bf16)", "",
+                  f"shape {d['shape']}, device copy bandwidth {d['copy_tb_s']:.2f} TB/s", "",
+                  "| variant | TB/s | fraction of copy |", "|---|---|---|"]
+        for name, v in d["variants"].items():
+            if "error" in v:
+                lines.append(f"| {name} | err | {v['error'][:60]} |")
+            else:
+                lines.append(f"| {name} | {v['tb_s']:.2f} | {v['fraction_of_copy']:.2f} |")
+        lines.append("")
+    if res.get("memory"):
+        lines += ["## memory: fwd+bwd through a stack of NF4 layers", "", "```",
+                  json.dumps(res["memory"], indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--ms", default=",".join(map(str, matmul_bench.MS)))
+    p.add_argument("--shapes", default="all", help="'all' or e.g. 4096x4096,4096x14336 (K x N)")
+    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--skip", default="", help="comma list of: matmul,dequant,memory")
+    p.add_argument("--out", default=RESULTS_DIR)
+    p.add_argument("--tag", default="")
+    a = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("jqlora bench: no GPU found; the benchmark measures GPU kernels only.", file=sys.stderr)
+        return 2
+    from pallas_kernels import registry
+
+    log = lambda s: print(s, flush=True)
+    skip = set(filter(None, a.skip.split(",")))
+    shapes = matmul_bench.SHAPES_KN if a.shapes == "all" else tuple(
+        tuple(int(v) for v in s.split("x")) for s in a.shapes.split(","))
+    variants = [v.name for v in registry.for_op("matmul_4bit")]
+    res = {"device": device_name(), "date": datetime.date.today().isoformat(), "versions": versions(),
+           "variants": [v.name for v in registry.all_variants()], "matmul": []}
+    if "matmul" not in skip:
+        for k, n in shapes:
+            for m in (int(v) for v in a.ms.split(",")):
+                rows = matmul_bench.bench_shape(k, n, m, variants, iterations=a.iterations,
+                                                with_torch=not a.no_torch, log=log)
+                res["matmul"].append({"m": m, "k": k, "n": n, "rows": rows, "ratios": matmul_bench.ratios(rows)})
+    if "dequant" not in skip:
+        res["dequant"] = matmul_bench.dequant_throughput()
+        log(f"dequant: {res['dequant']}")
+    if "memory" not in skip:
+        res["memory"] = _memory_runs(log)
+    os.makedirs(a.out, exist_ok=True)
+    gpu = res["device"].lower().replace(" ", "-")
+    stem = os.path.join(a.out, f"{gpu}-{res['date']}{a.tag}")
+    for ext, text in ((".json", json.dumps(res, indent=1)), (".md", markdown(res))):
+        tmp = stem + ext + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, stem + ext)
+    log(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

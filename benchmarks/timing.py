@@ -1,0 +1,57 @@
+"""Device-time measurement: kernel time summed per call, launch and Python overhead left out.
+
+JAX: CUPTI through `jax.experimental.mosaic.gpu.profiler.measure` (per-iteration sums of kernel
+times). torch: `torch.profiler` kernel times. Both sides get the same treatment: each call runs
+R independent products over R weight copies (so the weight streams from HBM, not L2), and the
+time per product is the call's kernel time / R; the median over iterations is reported.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+
+def l2_defeating_copies(weight_bytes: int, l2_bytes: int = 60 * 2**20, cap: int = 24) -> int:
+    """How many weight copies make one sweep at least twice the L2 size."""
+    return max(1, min(cap, -(-2 * l2_bytes // max(1, weight_bytes))))
+
+
+def jax_device_ms(fn, *args, iterations: int = 20) -> float:
+    """Median per-call kernel time (ms) of jitted `fn(*args)` over `iterations` calls."""
+    f = jax.jit(fn)
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, times = profiler.measure(f, iterations=iterations)(*args)
+        if times is None:
+            raise RuntimeError("no kernel timings")
+        times = times if isinstance(times, list) else [times]
+        return float(statistics.median(times))
+    except Exception:  # CUPTI missing: wall clock of blocked calls (includes dispatch; flagged)
+        jax.block_until_ready(f(*args))
+        samples = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return float(statistics.median(samples))
+
+
+def torch_device_ms(fn, iterations: int = 20) -> float:
+    """Mean per-call CUDA kernel time (ms) of `fn()` from torch.profiler (as GPU.md's reference)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total_us += evt.time_range.elapsed_us()
+    return total_us / 1e3 / iterations

@@ -1,0 +1,178 @@
+"""End-to-end QLoRA training step: jqlora vs transformers + PEFT + bitsandbytes, same GPU.
+
+Each side runs in its own process (peak memory is process-wide) and prints one JSON line:
+    python -m benchmarks.train_bench --side jax   --shape 1b --steps 5
+    python -m benchmarks.train_bench --side torch --shape 1b --steps 5
+Random weights, NF4 blocksize 64 with double quant, LoRA r=16 (alpha 32) on all linear layers,
+batch 1 x 2048, gradient checkpointing, AdamW.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False),  # CPU smoke
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def hf_config(shape: str) -> dict:
+    c = dict(SHAPES[shape])
+    c.update(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
+             max_position_embeddings=8192, hidden_act="silu", attention_bias=False, mlp_bias=False,
+             torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+    return c
+
+
+def non_embedding_params(c: dict) -> int:
+    h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    d = c["head_dim"]
+    attn = h * c["num_attention_heads"] * d * 2 + h * c["num_key_value_heads"] * d * 2
+    return L * (attn + 3 * h * i)
+
+
+def flops_per_token(c: dict, seq: int) -> float:
+    """Model FLOPs per token of a LoRA step with a frozen base: forward 2N + backward (dx) 2N,
+    plus attention (4 * seq * hidden per layer forward, twice that backward) and the LM head.
+    Recomputation under gradient checkpointing is not counted (it is overhead, not model work)."""
+    n = non_embedding_params(c)
+    attn = 4 * seq * c["num_attention_heads"] * c["head_dim"] * c["num_hidden_layers"] * 0.5  # causal
+    head = 2 * c["hidden_size"] * c["vocab_size"]
+    return 2 * (2 * n + head) + 3 * attn
+
+
+def run_jax(shape: str, steps: int, seq: int, backend: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jqlora import quant
+    from jqlora.lora import LoraConfig
+    from jqlora.models import from_params
+    from jqlora.train.loop import train_step
+    from jqlora.train.optim import make_optimizer
+
+    c = hf_config(shape)
+    h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    qd, kvd = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    key = jax.random.key(0)
+    params = {"model.embed_tokens.weight": jax.random.normal(key, (v, h), jnp.bfloat16) * 0.02,
+              "model.norm.weight": jnp.ones((h,), jnp.bfloat16)}
+    if not c["tie_word_embeddings"]:
+        params["lm_head.weight"] = jax.random.normal(jax.random.key(1), (v, h), jnp.bfloat16) * 0.02
+    quantize = jax.jit(lambda k, shape: quant.quantize_4bit(jax.random.normal(k, shape, jnp.bfloat16) * 0.02,
+                                                            "nf4", 64, True), static_argnums=1)
+    dims = {"self_attn.q_proj": (qd, h), "self_attn.k_proj": (kvd, h), "self_attn.v_proj": (kvd, h),
+            "self_attn.o_proj": (h, qd), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    for layer in range(L):
+        for j, (name, s) in enumerate(dims.items()):
+            params[f"model.layers.{layer}.{name}"] = quantize(jax.random.key(1000 * layer + j + 7), s)
+        params[f"model.layers.{layer}.input_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
+        params[f"model.layers.{layer}.post_attention_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
+    jax.block_until_ready(params)
+    model = from_params(params, c, lora=LoraConfig(rank=16, alpha=32, target_modules=TARGETS),
+                        compute_dtype=jnp.bfloat16, remat=True, backend=backend)
+    del params
+    opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000), wrt=nnx.LoRAParam)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, v, (1, 1, seq + 1), dtype=np.int32)
+    batch = {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, 1, seq), np.float32),
+             "segment_ids": np.ones((1, 1, seq), np.int32), "positions": np.arange(seq, dtype=np.int32)[None, None]}
+    t0 = time.perf_counter()
+    jax.block_until_ready(train_step(model, opt, batch)["loss"])
+    compile_s = time.perf_counter() - t0
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        m = train_step(model, opt, batch)
+        losses.append(float(m["loss"]))
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"side": "jqlora", "backend": backend, "step_s": step_s, "tokens_per_s": seq / step_s,
+            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "compile_s": compile_s, "losses": losses}
+
+
+def run_torch(shape: str, steps: int, seq: int, quantized: bool = True) -> dict:
+    import os
+    import tempfile
+
+    import numpy as np
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+
+    c = hf_config(shape)
+    cfg = LlamaConfig(**{k: v for k, v in c.items() if k not in ("model_type", "architectures", "torch_dtype")})
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as d:
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+        base.save_pretrained(d)
+        del base
+        kw = dict(torch_dtype=torch.bfloat16, device_map="cuda")
+        if quantized:
+            kw["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(d, **kw)
+    if quantized:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    else:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, c["vocab_size"], (1, seq), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+
+    def step():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(out.loss)
+
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    times, losses = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses.append(step())
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    return {"side": "torch qlora" if quantized else "torch bf16 lora", "step_s": step_s, "tokens_per_s": seq / step_s,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "warmup_s": warm_s, "losses": losses}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--side", choices=["jax", "torch", "torch-bf16"], required=True)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--backend", default="auto")
+    a = p.parse_args(argv)
+    if a.side == "jax":
+        res = run_jax(a.shape, a.steps, a.seq, a.backend)
+    else:
+        res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch")
+    c = hf_config(a.shape)
+    res.update(shape=a.shape, seq=a.seq, flops_per_token=flops_per_token(c, a.seq))
+    res["model_tflops"] = res["flops_per_token"] * res["tokens_per_s"] / 1e12
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
