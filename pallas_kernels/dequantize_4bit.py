@@ -1,0 +1,207 @@
+"""4-bit (NF4/FP4) blockwise dequantization: jnp reference + Pallas (Triton lowering) kernel.
+
+Layout (bitsandbytes): logical W is (N, K); `packed` is uint8 (N, K//2) holding the row-major
+codes two per byte, element 2j in the HIGH nibble, 2j+1 in the LOW nibble; `absmax` is float32
+(N, K//blocksize) (already de-nested); `code` is the float32 (16,) table (NF4 or FP4).
+    W[n, k] = float32(code[nibble]) * absmax[n, k // blocksize]      (fp32), then cast once.
+
+This module also holds the helpers the fused matmul kernels share (validation, tile decode).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels._compat import cdiv
+from pallas_kernels.registry import Variant
+
+DECODE_METHODS = ("select", "gather")
+# In-kernel dots: HIGHEST so float32 inputs are not rounded to TF32 by the Triton lowering
+# (bf16/fp16 inputs are unaffected).
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def resolve_method(method: str, auto: str) -> str:
+    """'auto' -> the per-kernel default picked by measurement (see each kernel); else validated."""
+    method = auto if method == "auto" else method
+    if method not in DECODE_METHODS:
+        raise ValueError(f"unknown decode method {method!r}; expected 'auto' or one of {DECODE_METHODS}")
+    return method
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation / shape support (shared by every 4-bit kernel)
+# ----------------------------------------------------------------------------------------------
+def supports_4bit(m: int, n: int, k: int, blocksize: int) -> bool:
+    """Shapes every 4-bit kernel here accepts: K even, blocksize a power of two >= 32 dividing K."""
+    return (
+        m >= 0 and n >= 1 and k >= 2 and k % 2 == 0
+        and _compat.is_pow2(blocksize) and blocksize >= 32 and k % blocksize == 0
+    )
+
+
+def check_4bit_operands(packed, absmax, code, blocksize: int, *, what: str) -> tuple[int, int]:
+    """Validate the quantized weight operands; return the logical weight shape (N, K)."""
+    if packed.ndim != 2:
+        raise ValueError(f"{what}: `packed` must be 2-D (N, K//2) uint8, got shape {packed.shape}")
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"{what}: `packed` must be uint8, got {packed.dtype}")
+    n, kb = packed.shape
+    k = 2 * kb
+    if not (_compat.is_pow2(int(blocksize)) and blocksize >= 32):
+        raise ValueError(f"{what}: blocksize must be a power of two >= 32, got {blocksize}")
+    if k == 0 or k % blocksize != 0:
+        raise ValueError(
+            f"{what}: in_features K={k} (from packed {packed.shape}) must be a positive multiple of "
+            f"blocksize={blocksize}")
+    if absmax.shape != (n, k // blocksize):
+        raise ValueError(
+            f"{what}: `absmax` must have shape (N, K//blocksize) = {(n, k // blocksize)}, got "
+            f"{absmax.shape} (de-nest double-quantized scales before calling)")
+    if absmax.dtype != jnp.float32:
+        raise ValueError(f"{what}: `absmax` must be float32, got {absmax.dtype}")
+    if code.shape != (16,) or code.dtype != jnp.float32:
+        raise ValueError(f"{what}: `code` must be float32 of shape (16,), got {code.dtype}{code.shape}")
+    return n, k
+
+
+# ----------------------------------------------------------------------------------------------
+# In-kernel decode helpers
+# ----------------------------------------------------------------------------------------------
+def load_code_scalars(code_ref):
+    """The 16 table values as scalars (load once per program, outside the K loop)."""
+    return tuple(code_ref[i] for i in range(16))
+
+
+def decode_nibbles(p, code_ref, table, *, high: bool, method: str):
+    """float32 code[nibble] for every byte of `p` (int32 tile of byte values 0..255).
+
+    method "select": a 4-level select tree over the nibble bits with the 16 table values as
+    scalars (15 selects, no gather, pure ALU). method "gather": a pointer load `code[q]`
+    (one cached L1 load per element).
+    """
+    if method == "gather":
+        q = (p >> 4) if high else (p & 15)
+        return code_ref[q]
+    if method != "select":
+        raise ValueError(f"unknown decode method {method!r}; expected one of {DECODE_METHODS}")
+    shift = 4 if high else 0
+    level = list(table)
+    for bit in range(4):
+        b = (p & (1 << (shift + bit))) != 0
+        level = [jnp.where(b, level[2 * j + 1], level[2 * j]) for j in range(len(level) // 2)]
+    (v,) = level
+    return v
+
+
+def apply_scales(vals, am):
+    """vals (R, C) float32, am (R, G) float32 with C % G == 0: vals[r, c] * am[r, c // (C//G)]."""
+    r, c = vals.shape
+    g = am.shape[1]
+    if g == 1:
+        return vals * am
+    return (vals.reshape(r, g, c // g) * am[:, :, None]).reshape(r, c)
+
+
+def row_mask(start, size: int, limit: int):
+    """(size, 1) bool mask: which of the rows start..start+size-1 are < limit."""
+    return (start + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)) < limit
+
+
+def pick_block_bytes(kb: int, target: int) -> int:
+    """Byte-columns per tile: a power of two dividing K//2, <= target (>= 16 since 32 | K)."""
+    return _compat.largest_pow2_divisor(kb, max(1, target))
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+def dequantize_4bit_reference(packed, absmax, code, *, blocksize: int, out_dtype=jnp.float32,
+                              interpret: bool = False):
+    """Oracle: (N, K) dequantized weight, fp32 math then one cast to out_dtype. `interpret` is ignored."""
+    del interpret
+    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="dequantize_4bit_reference")
+    p = packed.astype(jnp.int32)
+    q = jnp.stack([p >> 4, p & 15], axis=-1).reshape(n, k)
+    vals = jnp.take(code, q, axis=0)
+    scale = jnp.repeat(absmax, blocksize, axis=1)
+    return (vals * scale).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pallas kernel
+# ----------------------------------------------------------------------------------------------
+def _dequant_kernel(packed_ref, absmax_ref, code_ref, out_ref, *, n_rows: int, bn: int,
+                    out_dtype, method: str):
+    i = pl.program_id(0)
+    mask = None if n_rows % bn == 0 else row_mask(i * bn, bn, n_rows)
+    p = _compat.load(packed_ref, mask=mask, other=0).astype(jnp.int32)
+    am = _compat.load(absmax_ref, mask=mask, other=0.0)
+    table = load_code_scalars(code_ref) if method == "select" else None
+    hi = apply_scales(decode_nibbles(p, code_ref, table, high=True, method=method), am)
+    lo = apply_scales(decode_nibbles(p, code_ref, table, high=False, method=method), am)
+    hi = hi.astype(out_dtype)
+    lo = lo.astype(out_dtype)
+    out = jnp.stack([hi, lo], axis=-1).reshape(bn, 2 * hi.shape[1])  # interleave: hi -> 2j
+    _compat.store(out_ref, out, mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "blocksize", "out_dtype", "interpret", "block_n", "block_k", "method", "num_warps"))
+def dequantize_4bit(packed, absmax, code, *, blocksize: int, out_dtype=jnp.float32,
+                    interpret: bool = False, block_n: int | None = None,
+                    block_k: int | None = None, method: str = "auto", num_warps: int = 4):
+    """Dequantize bitsandbytes 4-bit weights to (N, K) out_dtype with a tiled Pallas kernel.
+
+    Bit-exact with `dequantize_4bit_reference`. Grid over (row tiles, byte-column tiles);
+    block_k counts weight columns (2 per byte). method "auto" = "gather" (measured faster on an
+    H200: 2.5 vs 1.95 TB/s at 32-row tiles).
+    """
+    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="dequantize_4bit")
+    method = resolve_method(method, "gather")
+    out_dtype = jnp.dtype(out_dtype)
+    kb = k // 2
+    bkb = pick_block_bytes(kb, (block_k or 512) // 2)
+    # H200, N=K=4096, bf16 out: 16 rows x 256 bytes 3.03 TB/s; 32 x 256 2.51 TB/s
+    bn = block_n or min(16, _compat.next_pow2(n))
+    if not _compat.is_pow2(bn):
+        raise ValueError(f"dequantize_4bit: block_n must be a power of two, got {bn}")
+    span = 2 * bkb  # weight columns per tile
+    if span >= blocksize:
+        g = span // blocksize
+        am_spec = pl.BlockSpec((bn, g), lambda i, j: (i, j))
+    else:
+        am_spec = pl.BlockSpec((bn, 1), lambda i, j: (i, (j * span) // blocksize))
+    kernel = functools.partial(_dequant_kernel, n_rows=n, bn=bn, out_dtype=out_dtype, method=method)
+    return _compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, k), out_dtype),
+        grid=(cdiv(n, bn), kb // bkb),
+        in_specs=[
+            pl.BlockSpec((bn, bkb), lambda i, j: (i, j)),
+            am_spec,
+            pl.BlockSpec((16,), lambda i, j: (0,)),
+        ],
+        out_specs=pl.BlockSpec((bn, span), lambda i, j: (i, j)),
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=1,
+        name="dequantize_4bit",
+    )(packed, absmax, code)
+
+
+VARIANTS = (
+    Variant(
+        name="dequant_tiled",
+        op="dequantize_4bit",
+        fn=dequantize_4bit,
+        reference=dequantize_4bit_reference,
+        supports=supports_4bit,
+        description="Pallas/Triton tiled 4-bit dequant: (16 rows x 256 bytes) tiles, table-load "
+                    "decode, hi/lo nibbles interleaved in registers; bit-exact with the reference.",
+    ),
+)

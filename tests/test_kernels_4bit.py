@@ -1,0 +1,378 @@
+"""4-bit (NF4/FP4) Pallas kernels in interpret mode against their jnp references, and the
+references against numpy (float32 bit patterns for dequant, float64 for the matmuls).
+
+Tolerances (matmuls; the kernels accumulate in fp32 in a different order than XLA):
+    |kernel - reference| <= 1e-5 * scale + 2 * eps(out_dtype) * |reference|
+where scale = |x| @ |W|.T (the sum of absolute products behind each output) and eps is the
+machine epsilon of the output dtype (2 ulps of the output value: one rounding each side).
+Dequantization must be bit-exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import dequantize_4bit as dq_mod
+from pallas_kernels import matmul_4bit as mm_mod
+from pallas_kernels import matmul_4bit_small_m as sm_mod
+from pallas_kernels import matmul_4bit_t as t_mod
+from pallas_kernels._compat import auto_interpret, cdiv, resolve_interpret
+from pallas_kernels.dequantize_4bit import dequantize_4bit, dequantize_4bit_reference
+from pallas_kernels.matmul_4bit import matmul_4bit, matmul_4bit_dequant_dot, matmul_4bit_reference
+from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
+from pallas_kernels.matmul_4bit_t import (
+    matmul_4bit_t, matmul_4bit_t_dequant_dot, matmul_4bit_t_reference)
+from pallas_kernels.registry import OPS, Variant
+
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+                0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                0.7229568362236023, 1.0], dtype=np.float32)
+_FP4_POS = np.array([0, 1 / 192, 2 / 3, 1, 1 / 3, 1 / 2, 1 / 6, 1 / 4], dtype=np.float64)
+FP4 = np.concatenate([_FP4_POS, -_FP4_POS]).astype(np.float32)
+TABLES = {"nf4": NF4, "fp4": FP4}
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+MY_VARIANTS = dq_mod.VARIANTS + mm_mod.VARIANTS + t_mod.VARIANTS + sm_mod.VARIANTS
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+def make_weight(seed, n, k, bs):
+    """Random packed codes (all 256 byte values) and positive scales, with one all-zero block."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    absmax = rng.uniform(0.05, 1.5, (n, k // bs)).astype(np.float32)
+    absmax[0, 0] = 0.0
+    return jnp.asarray(packed), jnp.asarray(absmax)
+
+
+def make_x(seed, shape, dtype):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def np_dequant_f32(packed, absmax, code, bs):
+    """Independent numpy dequant: float32 code[nibble] * float32 absmax (high nibble first)."""
+    p = np.asarray(packed)
+    n, kb = p.shape
+    q = np.empty((n, 2 * kb), np.int64)
+    q[:, 0::2] = p >> 4
+    q[:, 1::2] = p & 15
+    return np.asarray(code, np.float32)[q] * np.repeat(np.asarray(absmax, np.float32), bs, axis=1)
+
+
+def assert_matmul_close(got, want, scale, what=""):
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    g = np.asarray(got.astype(jnp.float32), np.float64)
+    w = np.asarray(want.astype(jnp.float32), np.float64)
+    eps = float(jnp.finfo(got.dtype).eps)
+    tol = 1e-5 * scale + 2 * eps * np.abs(w) + 1e-30
+    err = np.abs(g - w)
+    assert np.all(np.isfinite(g)), f"{what}: non-finite output"
+    bad = err > tol
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.size} outside tolerance; worst "
+                           f"err/tol={float(np.max(err / tol)):.3g}")
+
+
+def scale_fwd(x, w_c):
+    """|x| @ |W|.T in float64; w_c is the weight already cast to the compute dtype."""
+    return np.abs(np.asarray(x.astype(jnp.float32), np.float64)) @ np.abs(
+        np.asarray(w_c.astype(jnp.float32), np.float64)).T
+
+
+def scale_bwd(dy, w_c):
+    return np.abs(np.asarray(dy.astype(jnp.float32), np.float64)) @ np.abs(
+        np.asarray(w_c.astype(jnp.float32), np.float64))
+
+
+def check_forward(fn, m, n, k, bs, dtype, table, seed=0, **kw):
+    packed, absmax = make_weight(seed, n, k, bs)
+    code = jnp.asarray(TABLES[table])
+    x = make_x(seed + 1, (m, k), dtype)
+    got = fn(x, packed, absmax, code, blocksize=bs, interpret=True, **kw)
+    want = matmul_4bit_reference(x, packed, absmax, code, blocksize=bs,
+                                 out_dtype=kw.get("out_dtype"))
+    w_c = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=dtype)
+    assert_matmul_close(got, want, scale_fwd(x, w_c), f"{fn.__name__} M={m} N={n} K={k} bs={bs}")
+
+
+def check_backward(fn, m, n, k, bs, dtype, table, seed=0, **kw):
+    packed, absmax = make_weight(seed, n, k, bs)
+    code = jnp.asarray(TABLES[table])
+    dy = make_x(seed + 2, (m, n), dtype)
+    got = fn(dy, packed, absmax, code, blocksize=bs, interpret=True, **kw)
+    want = matmul_4bit_t_reference(dy, packed, absmax, code, blocksize=bs,
+                                   out_dtype=kw.get("out_dtype"))
+    w_c = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=dtype)
+    assert_matmul_close(got, want, scale_bwd(dy, w_c), f"{fn.__name__} M={m} N={n} K={k} bs={bs}")
+
+
+# ------------------------------------------------------------------------------------------
+# the oracle itself
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("table", ["nf4", "fp4"])
+@pytest.mark.parametrize("out", ["f32", "bf16", "f16"])
+def test_reference_dequant_matches_numpy_bit_for_bit(table, out):
+    n, k, bs = 24, 256, 64
+    packed, absmax = make_weight(3, n, k, bs)
+    code = jnp.asarray(TABLES[table])
+    got = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=DTYPES[out])
+    want = np_dequant_f32(packed, absmax, code, bs).astype(jnp.dtype(DTYPES[out]))
+    assert got.dtype == DTYPES[out] and got.shape == (n, k)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+
+
+def test_reference_nibble_order_and_scale_broadcast():
+    # bitsandbytes: [1.0, -1.0] packs to 0xF0 with NF4 (element 2j in the HIGH nibble).
+    row = np.array([0xF0, 0x07, 0x7F, 0x00], np.uint8)  # codes F,0, 0,7, 7,F, 0,0
+    codes = np.array([1.0, -1.0, -1.0, 0.0, 0.0, 1.0, -1.0, -1.0], np.float32)
+    packed = jnp.asarray(np.tile(row, (2, 16)))            # (2, 64): K = 128, two 64-blocks
+    absmax = jnp.asarray(np.array([[2.0, 0.5], [3.0, 0.25]], np.float32))
+    got = np.asarray(dequantize_4bit_reference(packed, absmax, jnp.asarray(NF4), blocksize=64))
+    want = np.tile(codes, 16)[None, :] * np.repeat(np.asarray(absmax), 64, axis=1)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np_dequant_f32(packed, absmax, NF4, 64), want)
+
+
+def test_reference_detects_swapped_nibbles():
+    """Negative control: a weight with hi/lo nibbles swapped must dequantize differently."""
+    packed, absmax = make_weight(5, 8, 64, 32)
+    swapped = ((packed & 15) << 4) | (packed >> 4)
+    a = dequantize_4bit_reference(packed, absmax, jnp.asarray(NF4), blocksize=32)
+    b = dequantize_4bit_reference(swapped.astype(jnp.uint8), absmax, jnp.asarray(NF4), blocksize=32)
+    assert not np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("table", ["nf4", "fp4"])
+def test_reference_matmuls_match_float64(dt, table):
+    m, n, k, bs = 5, 24, 128, 32
+    dtype = DTYPES[dt]
+    packed, absmax = make_weight(7, n, k, bs)
+    code = jnp.asarray(TABLES[table])
+    x = make_x(8, (m, k), dtype)
+    dy = make_x(9, (m, n), dtype)
+    w_c = np_dequant_f32(packed, absmax, code, bs).astype(jnp.dtype(dtype)).astype(np.float64)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    dy64 = np.asarray(dy.astype(jnp.float32), np.float64)
+    for got, exact, scale in (
+        (matmul_4bit_reference(x, packed, absmax, code, blocksize=bs), x64 @ w_c.T,
+         np.abs(x64) @ np.abs(w_c).T),
+        (matmul_4bit_t_reference(dy, packed, absmax, code, blocksize=bs), dy64 @ w_c,
+         np.abs(dy64) @ np.abs(w_c)),
+    ):
+        assert got.dtype == dtype
+        g = np.asarray(got.astype(jnp.float32), np.float64)
+        # fp32 accumulation error + one rounding to the output dtype
+        tol = 1e-5 * scale + float(jnp.finfo(dtype).eps) * np.abs(exact)
+        assert np.all(np.abs(g - exact) <= tol), float(np.max(np.abs(g - exact) / tol))
+    # out_dtype is honoured
+    y32 = matmul_4bit_reference(x, packed, absmax, code, blocksize=bs, out_dtype=jnp.float32)
+    assert y32.dtype == jnp.float32
+
+
+# ------------------------------------------------------------------------------------------
+# dequantize kernel: bit-exact
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,k,bs,out,table,method", [
+    (72, 192, 64, "bf16", "nf4", "auto"),
+    (40, 96, 32, "f32", "fp4", "select"),
+    (40, 96, 32, "f16", "nf4", "gather"),
+    (5, 512, 128, "bf16", "fp4", "select"),
+    (33, 1024, 256, "f32", "nf4", "auto"),
+    (3, 1024, 512, "bf16", "nf4", "auto"),
+    (2, 2048, 1024, "f16", "fp4", "auto"),
+    (4, 4096, 2048, "bf16", "nf4", "select"),
+    (2, 8192, 4096, "f32", "nf4", "auto"),
+])
+def test_dequantize_kernel_bit_exact(n, k, bs, out, table, method):
+    packed, absmax = make_weight(11, n, k, bs)
+    code = jnp.asarray(TABLES[table])
+    got = dequantize_4bit(packed, absmax, code, blocksize=bs, out_dtype=DTYPES[out],
+                          interpret=True, method=method)
+    want = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=DTYPES[out])
+    assert got.shape == (n, k) and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+def test_dequantize_kernel_small_tiles():
+    # tiles smaller than a scale block and ragged row tiles
+    packed, absmax = make_weight(12, 19, 256, 128)
+    code = jnp.asarray(NF4)
+    got = dequantize_4bit(packed, absmax, code, blocksize=128, out_dtype=jnp.bfloat16,
+                          interpret=True, block_n=8, block_k=32)
+    want = dequantize_4bit_reference(packed, absmax, code, blocksize=128, out_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+# ------------------------------------------------------------------------------------------
+# forward matmul kernels
+# ------------------------------------------------------------------------------------------
+FWD_CASES = [  # m, n, k, bs, dtype, table: ragged M and N, K not a multiple of the K tile
+    (1, 72, 192, 64, "bf16", "nf4"),
+    (3, 40, 96, 32, "f32", "fp4"),
+    (17, 72, 192, 64, "f16", "nf4"),
+    (64, 24, 256, 128, "bf16", "fp4"),
+    (130, 40, 96, 32, "f32", "nf4"),
+    (3, 16, 1024, 512, "f16", "fp4"),
+    (2, 16, 8192, 4096, "bf16", "nf4"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,bs,dt,table", FWD_CASES)
+def test_fused_tiled(m, n, k, bs, dt, table):
+    check_forward(matmul_4bit, m, n, k, bs, DTYPES[dt], table)
+
+
+def test_fused_tiled_options():
+    # explicit small tiles (K loop of several steps, tile narrower than a scale block), gather
+    # decode, and the large-M default tiling (block_m 256)
+    check_forward(matmul_4bit, 20, 40, 512, 256, jnp.bfloat16, "nf4", block_m=16, block_n=16,
+                  block_k=64, method="gather")
+    check_forward(matmul_4bit, 260, 24, 64, 32, jnp.float32, "fp4")
+    check_forward(matmul_4bit, 5, 24, 128, 32, jnp.bfloat16, "nf4", out_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("m,n,k,bs,dt,table", [c for c in FWD_CASES if c[0] <= 64])
+def test_splitk_small_m(m, n, k, bs, dt, table):
+    check_forward(matmul_4bit_small_m, m, n, k, bs, DTYPES[dt], table)
+
+
+@pytest.mark.parametrize("shape,kw", [
+    ((3, 40, 512, 64, "bf16", "nf4"), dict(split_x="wrapper", splits=1)),
+    ((1, 24, 256, 32, "f32", "fp4"), dict(split_x="kernel", block_k=64, method="select")),
+    ((3, 40, 512, 64, "f16", "nf4"), dict(rowwise_max_m=0, method="gather", splits=2, block_k=64)),
+    ((5, 24, 256, 32, "bf16", "fp4"), dict(rowwise_max_m=64, block_n=8, out_dtype=jnp.float32)),
+])
+def test_splitk_small_m_options(shape, kw):
+    m, n, k, bs, dt, table = shape
+    check_forward(matmul_4bit_small_m, m, n, k, bs, DTYPES[dt], table, **kw)
+
+
+def test_dequant_dot_forward():
+    check_forward(matmul_4bit_dequant_dot, 17, 72, 192, 64, jnp.bfloat16, "nf4")
+    check_forward(matmul_4bit_dequant_dot, 3, 40, 96, 32, jnp.float32, "fp4")
+    check_forward(matmul_4bit_dequant_dot, 3, 40, 96, 32, jnp.float16, "nf4", out_dtype=jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# backward product dy @ dequant(W)
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,n,k,bs,dt,table", FWD_CASES)
+def test_fused_tiled_t(m, n, k, bs, dt, table):
+    check_backward(matmul_4bit_t, m, n, k, bs, DTYPES[dt], table)
+
+
+def test_fused_tiled_t_options():
+    check_backward(matmul_4bit_t, 20, 40, 512, 256, jnp.bfloat16, "nf4", block_m=16, block_n=16,
+                   block_k=64, method="gather")
+    check_backward(matmul_4bit_t, 260, 24, 64, 32, jnp.float32, "fp4")
+    check_backward(matmul_4bit_t, 5, 24, 128, 32, jnp.bfloat16, "nf4", out_dtype=jnp.float32)
+
+
+def test_dequant_dot_t():
+    check_backward(matmul_4bit_t_dequant_dot, 17, 72, 192, 64, jnp.bfloat16, "nf4")
+    check_backward(matmul_4bit_t_dequant_dot, 3, 40, 96, 32, jnp.float32, "fp4")
+
+
+# ------------------------------------------------------------------------------------------
+# property test over random shapes, every variant
+# ------------------------------------------------------------------------------------------
+@settings(max_examples=8, deadline=None)
+@given(
+    name=st.sampled_from([v.name for v in MY_VARIANTS]),
+    m=st.integers(1, 70), n=st.integers(1, 80), k_blocks=st.integers(1, 3),
+    bs=st.sampled_from([32, 64, 128]), dt=st.sampled_from(sorted(DTYPES)),
+    table=st.sampled_from(sorted(TABLES)), seed=st.integers(0, 2**16),
+)
+def test_property_random_shapes(name, m, n, k_blocks, bs, dt, table, seed):
+    """One variant per example (each example compiles a kernel: keep CI time bounded)."""
+    k = bs * k_blocks
+    dtype = DTYPES[dt]
+    packed, absmax = make_weight(seed, n, k, bs)
+    code = jnp.asarray(TABLES[table])
+    w_c = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=dtype)
+    for v in MY_VARIANTS:
+        if v.name != name or not v.supports(m, n, k, bs):
+            continue
+        if v.op == "dequantize_4bit":
+            got = v.fn(packed, absmax, code, blocksize=bs, out_dtype=dtype, interpret=True)
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                          np.asarray(w_c).view(np.uint8))
+        elif v.op == "matmul_4bit":
+            x = make_x(seed + 1, (m, k), dtype)
+            got = v.fn(x, packed, absmax, code, blocksize=bs, out_dtype=dtype, interpret=True)
+            want = v.reference(x, packed, absmax, code, blocksize=bs, out_dtype=dtype)
+            assert_matmul_close(got, want, scale_fwd(x, w_c), v.name)
+        elif v.op == "matmul_4bit_t":
+            dy = make_x(seed + 2, (m, n), dtype)
+            got = v.fn(dy, packed, absmax, code, blocksize=bs, out_dtype=dtype, interpret=True)
+            want = v.reference(dy, packed, absmax, code, blocksize=bs, out_dtype=dtype)
+            assert_matmul_close(got, want, scale_bwd(dy, w_c), v.name)
+
+
+# ------------------------------------------------------------------------------------------
+# registry entries, shape support, errors, helpers
+# ------------------------------------------------------------------------------------------
+def test_variants_registered():
+    by_name = {v.name: v for v in MY_VARIANTS}
+    assert {"dequant_tiled": "dequantize_4bit", "fused_tiled": "matmul_4bit",
+            "fused_tiled_t": "matmul_4bit_t", "splitk_small_m": "matmul_4bit"}.items() <= {
+        n: v.op for n, v in by_name.items()}.items()
+    for v in MY_VARIANTS:
+        assert isinstance(v, Variant) and v.op in OPS and v.description
+        assert v.supports(1, 64, 128, 64)
+        assert not v.supports(1, 64, 127, 64)      # K odd
+        assert not v.supports(1, 64, 96, 64)       # K % blocksize
+        assert not v.supports(1, 64, 96, 48)       # blocksize not a power of two
+        assert not v.supports(1, 64, 32, 16)       # blocksize below 32
+    assert by_name["splitk_small_m"].supports(64, 64, 128, 64)
+    assert not by_name["splitk_small_m"].supports(65, 64, 128, 64)
+
+
+def test_bad_inputs_raise_clear_errors():
+    packed, absmax = make_weight(0, 8, 128, 64)
+    code = jnp.asarray(NF4)
+    x = make_x(0, (2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="absmax"):
+        matmul_4bit(x, packed, absmax[:, :1], code, blocksize=64, interpret=True)
+    with pytest.raises(ValueError, match="blocksize"):
+        dequantize_4bit(packed, absmax, code, blocksize=48, interpret=True)
+    with pytest.raises(ValueError, match="multiple of blocksize"):
+        matmul_4bit_t(make_x(0, (2, 8), jnp.float32), packed, absmax, code, blocksize=256,
+                      interpret=True)
+    with pytest.raises(ValueError, match="columns"):
+        matmul_4bit_small_m(x[:, :64], packed, absmax, code, blocksize=64, interpret=True)
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize_4bit(packed.astype(jnp.int8), absmax, code, blocksize=64, interpret=True)
+    with pytest.raises(ValueError, match="M=65"):
+        matmul_4bit_small_m(make_x(0, (65, 128), jnp.float32), packed, absmax, code,
+                            blocksize=64, interpret=True)
+    with pytest.raises(ValueError, match="code"):
+        matmul_4bit(x, packed, absmax, code[:8], blocksize=64, interpret=True)
+
+
+def test_empty_m():
+    packed, absmax = make_weight(0, 8, 64, 32)
+    code = jnp.asarray(NF4)
+    for fn in (matmul_4bit, matmul_4bit_small_m):
+        y = fn(jnp.zeros((0, 64), jnp.bfloat16), packed, absmax, code, blocksize=32, interpret=True)
+        assert y.shape == (0, 8) and y.dtype == jnp.bfloat16
+    y = matmul_4bit_t(jnp.zeros((0, 8), jnp.float32), packed, absmax, code, blocksize=32,
+                      interpret=True)
+    assert y.shape == (0, 64)
+
+
+def test_compat_helpers():
+    assert cdiv(7, 2) == 4 and cdiv(8, 2) == 4 and cdiv(0, 3) == 0
+    assert resolve_interpret(True) is True and resolve_interpret(False) is False
+    assert resolve_interpret(None) == auto_interpret()
+    if jax.default_backend() == "cpu":
+        assert auto_interpret() is True
