@@ -19,9 +19,13 @@ BACKENDS = ("auto", "pallas", "interpret", "xla")
 SMALL_M = 64  # at or below this many rows the product is bandwidth-bound: stream the weight once
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
-DEFAULT_4BIT_FWD_LARGE = "fused_tiled"
+# Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
+# (2.6-3.2x bf16), a transient dequant + cuBLAS GEMM is 1.13-1.17x; the dense tile lives for one
+# call only, never as a residual. Small M streams the packed weight once.
+DEFAULT_4BIT_FWD_LARGE = "dequant_dot"
 DEFAULT_4BIT_FWD_SMALL = "splitk_small_m"
-DEFAULT_4BIT_BWD = "fused_tiled_t"
+DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
+DEFAULT_4BIT_BWD_SMALL = "fused_tiled_t"
 DEFAULT_INT8_FWD = "int8_weight_only"
 DEFAULT_INT8_BWD = "int8_weight_only_t"
 DEFAULT_LLM_INT8 = "llm_int8_tiled"
@@ -59,7 +63,9 @@ def _kernel_shape_problem(q) -> str | None:
 
 def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
     if isinstance(q, Weight4bit):
-        return (DEFAULT_4BIT_FWD_SMALL if m <= SMALL_M else DEFAULT_4BIT_FWD_LARGE), DEFAULT_4BIT_BWD
+        if m <= SMALL_M:
+            return DEFAULT_4BIT_FWD_SMALL, DEFAULT_4BIT_BWD_SMALL
+        return DEFAULT_4BIT_FWD_LARGE, DEFAULT_4BIT_BWD_LARGE
     if numerics == "llm_int8":
         return DEFAULT_LLM_INT8, DEFAULT_INT8_BWD
     return DEFAULT_INT8_FWD, DEFAULT_INT8_BWD

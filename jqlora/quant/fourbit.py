@@ -81,11 +81,19 @@ def quantize_4bit(
     )
 
 
+def _unfused(x: jax.Array) -> jax.Array:
+    """x, but opaque to multiply-add contraction. Under jit, XLA fuses `a * b + c` into one FMA
+    (one rounding), while bitsandbytes rounds the product first; a select between the product and
+    the add keeps the two roundings (an optimization barrier or reduce_precision does not)."""
+    return jnp.where(x == x, x, jnp.nan)
+
+
 def absmax_f32(q: Weight4bit) -> jax.Array:
-    """The per-block fp32 scales; de-nests double-quantized absmax as bitsandbytes does."""
+    """The per-block fp32 scales; de-nests double-quantized absmax as bitsandbytes does:
+    round(dyn[code] * nested_absmax) then + offset, two roundings, eager or under jit."""
     if not q.nested:
         return q.absmax
-    return dequantize_blockwise(q.absmax, q.nested_absmax, q.nested_code, NESTED_BLOCKSIZE) + q.offset
+    return _unfused(dequantize_blockwise(q.absmax, q.nested_absmax, q.nested_code, NESTED_BLOCKSIZE)) + q.offset
 
 
 def unpack_codes(packed: jax.Array, n: int) -> jax.Array:

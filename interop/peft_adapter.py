@@ -1,0 +1,368 @@
+"""PEFT LoRA adapter directories (``adapter_config.json`` + ``adapter_model.safetensors``), no torch.
+
+Layout written by PEFT 0.21 ``save_pretrained`` (checked against it in tests/test_peft_adapter.py):
+
+* ``adapter_config.json``: the LoraConfig fields (``peft_type: "LORA"``, ``r``, ``lora_alpha``, ...).
+* ``adapter_model.safetensors``: per adapted module ``<m>`` (a module name of the base model, e.g.
+  ``model.layers.0.self_attn.q_proj``) two tensors
+  ``base_model.model.<m>.lora_A.weight`` with shape ``(r, in_features)`` and
+  ``base_model.model.<m>.lora_B.weight`` with shape ``(out_features, r)``;
+  the update is ``W + s * B @ A`` with ``s = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA).
+  PEFT strips the adapter name when saving; a model's live ``state_dict()`` has it
+  (``...lora_A.default.weight``), and the loader accepts that form too.
+
+In memory an adapter is ``{module_name: {"lora_A": (r, in), "lora_B": (out, r)}}``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+KEY_PREFIX = "base_model.model."
+
+# base_model.model.<module>.lora_A[.<adapter>].weight
+_KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<which>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.weight$")
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16,
+}
+
+
+try:  # one family of interop errors: catching CheckpointError (a ValueError) catches these too
+    from interop.errors import CheckpointError as _Base
+except ImportError:  # pragma: no cover
+    _Base = ValueError
+
+
+class AdapterFormatError(_Base):
+    """A PEFT adapter directory, file or in-memory adapter that jqlora cannot read or write.
+
+    A ValueError (and an interop CheckpointError); the message names the file and the tensor key
+    (or module) at fault.
+    """
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _as_float32(x, what: str) -> np.ndarray:
+    """Any array (JAX, numpy, ml_dtypes bf16) -> contiguous float32 numpy array (exact for bf16/fp16)."""
+    try:
+        arr = np.asarray(x)
+    except Exception as e:  # noqa: BLE001 - any conversion failure becomes a named error
+        raise AdapterFormatError(f"{what}: cannot convert {type(x).__name__} to an array: {e}") from e
+    if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
+        raise AdapterFormatError(f"{what}: expected a floating-point array, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr.astype(np.float32))
+    if not np.all(np.isfinite(arr)):
+        raise AdapterFormatError(f"{what}: contains NaN or Inf")
+    return arr
+
+
+def _target_matches(module: str, target_modules) -> bool:
+    """PEFT's rule: a str is a full regex match on the module name; a list matches the name or a
+    dotted suffix of it."""
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, module) is not None
+    return any(module == t or module.endswith("." + t) for t in target_modules)
+
+
+def _pattern_value(patterns: Mapping, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup (peft.utils.other.get_pattern_key)."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return patterns[key]
+    return default
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------- save
+def save_peft_adapter(
+    path,
+    lora_params: Mapping[str, Mapping[str, Any]],
+    *,
+    rank: int,
+    alpha: float,
+    target_modules,
+    base_model_name_or_path: Optional[str] = None,
+    use_rslora: bool = False,
+    dropout: float = 0.0,
+    bias: str = "none",
+    task_type: Optional[str] = "CAUSAL_LM",
+) -> str:
+    """Write a PEFT LoRA adapter directory that ``peft.PeftModel.from_pretrained`` loads.
+
+    lora_params: ``{module_name: {"lora_A": (rank, in), "lora_B": (out, rank)}}`` with JAX or numpy
+        arrays; module names are the base model's (``model.layers.0.self_attn.q_proj``).
+    target_modules: list of module-name suffixes (``["q_proj", "v_proj"]``) or one regex string,
+        as in ``peft.LoraConfig``; every module in ``lora_params`` must match it, or PEFT would
+        silently drop its weights on load.
+
+    Tensors are saved as **float32** whatever their dtype in memory (bf16/fp16 convert exactly);
+    PEFT casts them to the model's dtype on load. The directory is written to a temporary
+    directory beside ``path`` and renamed into place; if ``path`` already is a directory, the two
+    files are each replaced atomically (weights first, config last) and other files there are left
+    alone. On any error nothing is left behind. Returns ``path`` as a string.
+    """
+    path = os.fspath(path)
+    config = _make_config(
+        rank=rank, alpha=alpha, target_modules=target_modules,
+        base_model_name_or_path=base_model_name_or_path, use_rslora=use_rslora,
+        dropout=dropout, bias=bias, task_type=task_type,
+    )
+    tensors = _adapter_tensors(lora_params, rank=rank, target_modules=config["target_modules"])
+    config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise AdapterFormatError(f"{path}: exists and is not a directory")
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.tmp-", dir=parent)
+    try:
+        from safetensors.numpy import save_file
+
+        save_file(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
+        with open(os.path.join(tmp, CONFIG_NAME), "w", encoding="utf-8") as f:
+            f.write(config_text)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(tmp, WEIGHTS_NAME), "rb") as f:
+            os.fsync(f.fileno())
+        if os.path.isdir(path):
+            for name in (WEIGHTS_NAME, CONFIG_NAME):
+                os.replace(os.path.join(tmp, name), os.path.join(path, name))
+            _fsync_dir(path)
+        else:
+            os.rename(tmp, path)
+            tmp = None
+        _fsync_dir(parent)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _make_config(*, rank, alpha, target_modules, base_model_name_or_path, use_rslora, dropout, bias, task_type):
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank <= 0:
+        raise AdapterFormatError(f"rank must be a positive int, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)) or not math.isfinite(alpha):
+        raise AdapterFormatError(f"alpha must be a finite number, got {alpha!r}")
+    if isinstance(target_modules, str):
+        try:
+            re.compile(target_modules)
+        except re.error as e:
+            raise AdapterFormatError(f"target_modules regex {target_modules!r} is invalid: {e}") from e
+        targets: Any = target_modules
+    elif isinstance(target_modules, Sequence) and target_modules and all(isinstance(t, str) and t for t in target_modules):
+        targets = sorted(set(target_modules))
+    else:
+        raise AdapterFormatError(f"target_modules must be a non-empty list of names or a regex string, got {target_modules!r}")
+    if bias not in ("none", "all", "lora_only"):
+        raise AdapterFormatError(f"bias must be 'none', 'all' or 'lora_only', got {bias!r}")
+    if bias != "none":
+        raise AdapterFormatError(f"bias={bias!r} needs bias tensors in the adapter; only bias='none' is supported")
+    if not 0.0 <= float(dropout) < 1.0:
+        raise AdapterFormatError(f"dropout must be in [0, 1), got {dropout!r}")
+    alpha = int(alpha) if float(alpha).is_integer() else float(alpha)
+    # The LoraConfig fields PEFT 0.21 writes that affect loading, with PEFT's defaults for the rest.
+    return {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "r": int(rank),
+        "lora_alpha": alpha,
+        "lora_dropout": float(dropout),
+        "target_modules": targets,
+        "exclude_modules": None,
+        "bias": bias,
+        "use_rslora": bool(use_rslora),
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "layer_replication": None,
+        "megatron_config": None,
+        "megatron_core": "megatron.core",
+        "loftq_config": {},
+        "lora_bias": False,
+    }
+
+
+def _adapter_tensors(lora_params, *, rank: int, target_modules) -> dict:
+    if not isinstance(lora_params, Mapping) or not lora_params:
+        raise AdapterFormatError(
+            f"lora_params must be a non-empty mapping module_name -> {{'lora_A', 'lora_B'}}, got {type(lora_params).__name__}"
+        )
+    tensors = {}
+    for module, pair in lora_params.items():
+        if not isinstance(module, str) or not module or module.startswith(KEY_PREFIX) or module.endswith("."):
+            raise AdapterFormatError(f"invalid module name {module!r} (expected e.g. 'model.layers.0.self_attn.q_proj')")
+        if not isinstance(pair, Mapping) or set(pair) != {"lora_A", "lora_B"}:
+            got = sorted(pair) if isinstance(pair, Mapping) else type(pair).__name__
+            raise AdapterFormatError(f"{module}: expected exactly the keys 'lora_A' and 'lora_B', got {got}")
+        if not _target_matches(module, target_modules):
+            raise AdapterFormatError(
+                f"{module}: not matched by target_modules={target_modules!r}; PEFT would ignore its weights"
+            )
+        a = _as_float32(pair["lora_A"], f"{module}.lora_A")
+        b = _as_float32(pair["lora_B"], f"{module}.lora_B")
+        if a.ndim != 2 or b.ndim != 2:
+            raise AdapterFormatError(f"{module}: lora_A {a.shape} and lora_B {b.shape} must both be 2-D")
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise AdapterFormatError(
+                f"{module}: lora_A has shape {a.shape} (expected (r={rank}, in)) and lora_B has shape "
+                f"{b.shape} (expected (out, r={rank}))"
+            )
+        tensors[f"{KEY_PREFIX}{module}.lora_A.weight"] = a
+        tensors[f"{KEY_PREFIX}{module}.lora_B.weight"] = b
+    return tensors
+
+
+# --------------------------------------------------------------------------------------------- load
+def load_peft_adapter(path):
+    """Read a PEFT LoRA adapter directory -> ``(lora_params, adapter_config)``.
+
+    lora_params: ``{module_name: {"lora_A": np.ndarray (r, in), "lora_B": np.ndarray (out, r)}}``
+        in the dtype stored in the file (float32/float16, or ``ml_dtypes.bfloat16`` for BF16).
+    adapter_config: the parsed ``adapter_config.json`` dict, as written.
+
+    Raises AdapterFormatError (a ValueError) naming the file and key for: a missing or malformed
+    config, a peft_type other than LORA, a missing weights file, an unknown tensor key, a lora_A
+    without its lora_B (or the reverse), and ranks that contradict ``r`` / ``rank_pattern``.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise AdapterFormatError(f"{path}: not a directory (expected a PEFT adapter directory)")
+    config = _read_config(os.path.join(path, CONFIG_NAME))
+    weights_file = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(weights_file):
+        hint = " (adapter_model.bin is a torch pickle: re-save it with safe_serialization=True)" if os.path.isfile(
+            os.path.join(path, "adapter_model.bin")) else ""
+        raise AdapterFormatError(f"{weights_file}: missing{hint}")
+    tensors = _read_safetensors(weights_file)
+
+    found: dict[str, dict[str, np.ndarray]] = {}
+    adapters = set()
+    for key, arr in tensors.items():
+        m = _KEY_RE.match(key)
+        if m is None:
+            raise AdapterFormatError(
+                f"{weights_file}: unknown tensor key {key!r}; expected "
+                f"'base_model.model.<module>.lora_A.weight' or '...lora_B.weight' (LoRA without bias, DoRA, "
+                f"modules_to_save or embeddings)"
+            )
+        module, which = m.group("module"), m.group("which")
+        adapters.add(m.group("adapter"))
+        if which in found.setdefault(module, {}):
+            raise AdapterFormatError(f"{weights_file}: {module}.{which} appears twice (key {key!r})")
+        found[module][which] = arr
+    if len(adapters) > 1:
+        raise AdapterFormatError(
+            f"{weights_file}: tensors of several adapters {sorted(a or '<unnamed>' for a in adapters)}; expected one"
+        )
+
+    r = config["r"]
+    rank_pattern = config.get("rank_pattern") or {}
+    lora_params = {}
+    for module in sorted(found):
+        pair = found[module]
+        for which, other in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
+            if which in pair and other not in pair:
+                raise AdapterFormatError(
+                    f"{weights_file}: {KEY_PREFIX}{module}.{which}.weight has no matching {other} tensor"
+                )
+        a, b = pair["lora_A"], pair["lora_B"]
+        expected_r = _pattern_value(rank_pattern, module, r)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != expected_r or b.shape[1] != expected_r:
+            raise AdapterFormatError(
+                f"{weights_file}: {module}: lora_A has shape {a.shape} and lora_B has shape {b.shape}; "
+                f"expected (r, in) and (out, r) with r={expected_r} from {CONFIG_NAME}"
+            )
+        lora_params[module] = {"lora_A": a, "lora_B": b}
+    if not lora_params:
+        raise AdapterFormatError(f"{weights_file}: holds no LoRA tensors")
+    return lora_params, config
+
+
+def _read_config(config_file: str) -> dict:
+    if not os.path.isfile(config_file):
+        raise AdapterFormatError(f"{config_file}: missing (not a PEFT adapter directory)")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise AdapterFormatError(f"{config_file}: cannot read: {e}") from e
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise AdapterFormatError(f"{config_file}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
+    if not isinstance(config, dict):
+        raise AdapterFormatError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterFormatError(f"{config_file}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")
+    r = config.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise AdapterFormatError(f"{config_file}: 'r' must be a positive integer, got {r!r}")
+    alpha = config.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise AdapterFormatError(f"{config_file}: 'lora_alpha' must be a number, got {alpha!r}")
+    rank_pattern = config.get("rank_pattern") or {}
+    if not isinstance(rank_pattern, dict):
+        raise AdapterFormatError(f"{config_file}: 'rank_pattern' must be an object, got {rank_pattern!r}")
+    for key in ("use_dora",):
+        if config.get(key):
+            raise AdapterFormatError(f"{config_file}: {key}=true is not supported (plain LoRA only)")
+    return config
+
+
+def _read_safetensors(weights_file: str) -> dict:
+    from safetensors import deserialize
+
+    try:
+        with open(weights_file, "rb") as f:
+            raw = deserialize(f.read())
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise AdapterFormatError(f"{weights_file}: not a valid safetensors file: {e}") from e
+    out = {}
+    for key, view in raw:
+        dtype = view["dtype"]
+        if dtype == "BF16":
+            import ml_dtypes
+
+            np_dtype = np.dtype(ml_dtypes.bfloat16)
+        elif dtype in _SAFETENSORS_DTYPES:
+            np_dtype = np.dtype(_SAFETENSORS_DTYPES[dtype])
+        else:
+            raise AdapterFormatError(f"{weights_file}: tensor {key!r} has dtype {dtype}; expected F32, F16, BF16 or F64")
+        out[key] = np.frombuffer(bytes(view["data"]), dtype=np_dtype.newbyteorder("<")).astype(np_dtype).reshape(view["shape"])
+    return out
+
+
+__all__ = ["save_peft_adapter", "load_peft_adapter", "AdapterFormatError", "CONFIG_NAME", "WEIGHTS_NAME"]
