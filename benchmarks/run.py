@@ -97,6 +97,8 @@ def main(argv=None):
     p.add_argument("--skip", default="", help="comma list of: matmul,dequant,memory")
     p.add_argument("--out", default=RESULTS_DIR)
     p.add_argument("--tag", default="")
+    p.add_argument("--variants", choices=["all", "none"], default="all",
+                   help="also time every registered matmul_4bit variant (forward)")
     a = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("jqlora bench: no GPU found; the benchmark measures GPU kernels only.", file=sys.stderr)
@@ -107,7 +109,7 @@ def main(argv=None):
     skip = set(filter(None, a.skip.split(",")))
     shapes = matmul_bench.SHAPES_KN if a.shapes == "all" else tuple(
         tuple(int(v) for v in s.split("x")) for s in a.shapes.split(","))
-    variants = [v.name for v in registry.for_op("matmul_4bit")]
+    variants = [v.name for v in registry.for_op("matmul_4bit")] if a.variants == "all" else []
     res = {"device": device_name(), "date": datetime.date.today().isoformat(), "versions": versions(),
            "variants": [v.name for v in registry.all_variants()], "matmul": []}
     if "matmul" not in skip:

@@ -13,7 +13,7 @@ import time
 import jax
 
 
-def l2_defeating_copies(weight_bytes: int, l2_bytes: int = 60 * 2**20, cap: int = 24) -> int:
+def l2_defeating_copies(weight_bytes: int, l2_bytes: int = 60 * 2**20, cap: int = 8) -> int:
     """How many weight copies make one sweep at least twice the L2 size."""
     return max(1, min(cap, -(-2 * l2_bytes // max(1, weight_bytes))))
 
