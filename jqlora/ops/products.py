@@ -20,13 +20,21 @@ def acc_dtype(*arrays):
     return jnp.result_type(_F32, *(a.dtype for a in arrays))
 
 
+def _precision(a, b):
+    """float32 operands mean float32 products: GPUs would otherwise round them to TF32."""
+    wide = any(jnp.dtype(x.dtype).itemsize >= 4 for x in (a, b))
+    return jax.lax.Precision.HIGHEST if wide else None
+
+
 def _dot_nt(a, b):
     """a @ b.T with float32 (or wider) accumulation, without materializing b.T."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=acc_dtype(a, b))
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+                               preferred_element_type=acc_dtype(a, b))
 
 
 def _dot_nn(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=acc_dtype(a, b))
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b),
+                               preferred_element_type=acc_dtype(a, b))
 
 
 def kernel_operands_4bit(q: Weight4bit):

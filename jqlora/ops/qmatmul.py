@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jqlora.ops.backends import Plan, choose_plan
-from jqlora.ops.products import _dot_nn, _dot_nt, acc_dtype, backward_product, forward_product
+from jqlora.ops.products import _dot_nn, _dot_nt, _precision, acc_dtype, backward_product, forward_product
 from jqlora.quant import Int8Weight, Weight4bit
 
 NUMERICS = ("weight_only", "llm_int8")
@@ -75,8 +75,9 @@ def _with_lora_bwd(st, scale, res, dy):
     acc = acc_dtype(dy, x)
     u = _dot_nn(dy, b)  # (M, r) = dY B, contracted through the rank first
     dx = backward_product(st.plan, dy, q, out_dtype=acc) + scale * _dot_nn(u, a.astype(acc))
-    da = scale * jax.lax.dot_general(u, x.astype(acc), (((0,), (0,)), ((), ())))  # s U^T X
-    db = scale * jax.lax.dot_general(dy, xa, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+    tn = (((0,), (0,)), ((), ()))  # contract over the rows M
+    da = scale * jax.lax.dot_general(u, x.astype(acc), tn, precision=jax.lax.Precision.HIGHEST)  # s U^T X
+    db = scale * jax.lax.dot_general(dy, xa, tn, precision=_precision(dy, xa), preferred_element_type=acc)
     return dx.astype(x.dtype), _zero_cotangent(q), da.astype(a.dtype), db.astype(b.dtype)
 
 

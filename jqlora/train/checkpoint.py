@@ -1,0 +1,329 @@
+"""Training checkpoints: LoRA params + optimizer state + RNG state + data position + step.
+
+Layout (``directory`` is the checkpoint root, e.g. ``<out_dir>/checkpoints``)::
+
+    directory/step_00000100/arrays.safetensors   every array, flattened key path -> tensor
+    directory/step_00000100/state.json           step, data_state, per-key dtype/shape, sha256
+
+Keys are ``lora/<module path>``, ``rng/<module path>`` (``nnx.RngState``: dropout keys/counts) and
+``opt/<optimizer state path>``, path parts joined with ``.``. Typed PRNG keys are stored as their
+``key_data`` (uint32) with the key implementation in the JSON; dtypes safetensors' numpy reader
+lacks (bfloat16, float8...) are stored as same-width unsigned ints with the real dtype in the JSON.
+No pickle anywhere.
+
+Writing is atomic: everything goes into a fresh ``.tmp-*`` directory beside the target, files and
+directory are fsynced, then the directory is renamed to ``step_XXXXXXXX`` (one ``rename``), and
+the parent is fsynced. Until that rename, the previous checkpoints are untouched; a failure midway
+removes the temp directory. Older checkpoints beyond ``keep`` are pruned only after the new one is
+in place. One writer per directory is assumed (stale ``.tmp-*`` dirs are removed on the next save).
+
+Restoring validates everything (keys, shapes, dtypes, file checksum) before changing the model or
+the optimizer, and raises :class:`CheckpointError` naming the file and the offending key.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = [
+    "CheckpointError",
+    "save_checkpoint",
+    "restore_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+]
+
+FORMAT = "jqlora-train-checkpoint"
+VERSION = 1
+ARRAYS_FILE = "arrays.safetensors"
+STATE_FILE = "state.json"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_NATIVE = {np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np.int16,
+                                  np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+                                  np.bool_)}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is corrupt or does not match the model/optimizer."""
+
+
+# ----------------------------------------------------------------------------------------------
+# flattening
+# ----------------------------------------------------------------------------------------------
+
+def _groups(model, optimizer) -> dict[str, Any]:
+    groups = {"lora": nnx.state(model, nnx.LoRAParam), "rng": nnx.state(model, nnx.RngState)}
+    if optimizer is not None:
+        groups["opt"] = nnx.state(optimizer)
+    return groups
+
+
+def _leaf_value(v):
+    if isinstance(v, nnx.Variable):
+        return v.get_value()
+    return v
+
+
+def _flatten(model, optimizer) -> dict[str, Any]:
+    """-> {key: array} (jax arrays, typed keys kept as typed keys)."""
+    flat: dict[str, Any] = {}
+    for group, state in _groups(model, optimizer).items():
+        for path, var in nnx.to_flat_state(state):
+            value = _leaf_value(var)
+            if value is None or not hasattr(value, "shape"):
+                continue  # e.g. optax EmptyState fields: nothing to store
+            key = group + "/" + ".".join(str(p) for p in path)
+            flat[key] = value
+    return flat
+
+
+def _is_key_array(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_storable(key: str, x) -> tuple[np.ndarray, dict]:
+    meta: dict[str, Any] = {}
+    if _is_key_array(x):
+        meta["key_impl"] = str(jax.random.key_impl(x))
+        x = jax.random.key_data(x)
+    arr = np.asarray(jax.device_get(x))
+    meta["dtype"] = arr.dtype.name
+    meta["shape"] = list(arr.shape)
+    if arr.dtype not in _NATIVE:
+        arr = arr.view(np.dtype(f"uint{arr.dtype.itemsize * 8}"))
+        meta["stored_as"] = arr.dtype.name
+    return np.array(arr, order="C", copy=True), meta
+
+
+# ----------------------------------------------------------------------------------------------
+# files
+# ----------------------------------------------------------------------------------------------
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # e.g. platforms without directory fds
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints (``step_*`` dirs with a state.json) under ``directory``, by step."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / STATE_FILE).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    cks = list_checkpoints(directory)
+    return cks[-1][1] if cks else None
+
+
+def save_checkpoint(directory: str | os.PathLike, model, optimizer, data_state: dict | None,
+                    step: int, *, keep: int | None = None, extra: dict | None = None) -> Path:
+    """Atomically write ``directory/step_{step:08d}``; returns its path.
+
+    ``data_state`` and ``extra`` must be JSON-serializable. ``keep``: if set, delete all but the
+    newest ``keep`` checkpoints once the new one is in place.
+    """
+    import safetensors.numpy as stn
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step_{int(step):08d}"
+
+    arrays: dict[str, np.ndarray] = {}
+    metas: dict[str, dict] = {}
+    for key, value in _flatten(model, optimizer).items():
+        arrays[key], metas[key] = _to_storable(key, value)
+    state = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": int(step),
+        "data_state": data_state,
+        "extra": extra or {},
+        "arrays": metas,
+    }
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    old = None
+    try:
+        blob = stn.save(arrays, metadata={"format": FORMAT})
+        _write_file(tmp / ARRAYS_FILE, blob)
+        state["arrays_sha256"] = hashlib.sha256(blob).hexdigest()
+        _write_file(tmp / STATE_FILE, json.dumps(state, indent=1, sort_keys=True, default=str).encode())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. a resumed run): move the old one aside
+            old = root / f".tmp-old-{final.name}-{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not final.exists():
+            os.rename(old, final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if keep is not None and keep > 0:
+        for _, p in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    import safetensors.numpy as stn
+
+    sfile, jfile = path / STATE_FILE, path / ARRAYS_FILE
+    try:
+        state = json.loads(sfile.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a checkpoint (no {STATE_FILE})") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{sfile}: corrupt checkpoint state: {e}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{sfile}: not a {FORMAT} file")
+    if state.get("version") != VERSION:
+        raise CheckpointError(f"{sfile}: unsupported checkpoint version {state.get('version')}")
+    for k in ("step", "arrays", "arrays_sha256"):
+        if k not in state:
+            raise CheckpointError(f"{sfile}: missing field '{k}'")
+    try:
+        blob = jfile.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{jfile}: cannot read: {e}") from None
+    if hashlib.sha256(blob).hexdigest() != state["arrays_sha256"]:
+        raise CheckpointError(f"{jfile}: checksum mismatch (file corrupt or truncated)")
+    try:
+        arrays = stn.load(blob)
+    except Exception as e:
+        raise CheckpointError(f"{jfile}: corrupt safetensors file: {e}") from None
+    return state, arrays
+
+
+def restore_checkpoint(directory: str | os.PathLike, model, optimizer) -> tuple[dict | None, int]:
+    """Load a checkpoint into ``model`` (LoRA params, RNG state) and ``optimizer`` in place.
+
+    ``directory`` is either one checkpoint (``.../step_00000100``) or a root holding ``step_*``
+    checkpoints (the latest is used). Returns ``(data_state, step)``. Nothing is modified unless
+    the whole checkpoint matches; otherwise :class:`CheckpointError` names the key.
+    """
+    path = Path(directory)
+    if not (path / STATE_FILE).exists():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"no checkpoint in {path}")
+        path = latest
+    state, arrays = _read(path)
+    metas = state["arrays"]
+    where = path / ARRAYS_FILE
+
+    groups = _groups(model, optimizer)
+    expected = {}
+    for group, st in groups.items():
+        for p, var in nnx.to_flat_state(st):
+            value = _leaf_value(var)
+            if value is None or not hasattr(value, "shape"):
+                continue
+            expected[group + "/" + ".".join(str(x) for x in p)] = (group, p, value)
+
+    missing = sorted(set(expected) - set(arrays))
+    if missing:
+        raise CheckpointError(f"{where}: missing key '{missing[0]}'"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + ": checkpoint is from a different model/LoRA/optimizer setup")
+    unexpected = sorted(set(arrays) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected key '{unexpected[0]}'"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1
+                                 else "")
+                              + " not in the model/optimizer: checkpoint is from a different "
+                                "model/LoRA/optimizer setup")
+
+    new_flat: dict[str, dict] = {g: {} for g in groups}
+    for key, (group, p, current) in expected.items():
+        meta = metas.get(key)
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{path / STATE_FILE}: no metadata for key '{key}'")
+        arr = arrays[key]
+        try:
+            if "stored_as" in meta:
+                arr = arr.view(np.dtype(jnp.dtype(meta["dtype"])))
+            if list(arr.shape) != list(meta["shape"]) or arr.dtype.name != meta["dtype"]:
+                raise CheckpointError(f"{where}: key '{key}' is {arr.dtype.name}{list(arr.shape)} "
+                                      f"but state.json says {meta['dtype']}{meta['shape']}")
+        except (TypeError, ValueError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{where}: key '{key}': bad dtype/shape metadata: {e}") from None
+        if _is_key_array(current):
+            impl = meta.get("key_impl")
+            cur_impl = str(jax.random.key_impl(current))
+            if impl != cur_impl:
+                raise CheckpointError(f"{where}: key '{key}' is a PRNG key of impl {impl}, "
+                                      f"the model's is {cur_impl}")
+            cur_data = jax.random.key_data(current)
+            if arr.shape != cur_data.shape or arr.dtype != cur_data.dtype:
+                raise CheckpointError(f"{where}: key '{key}' has shape {arr.shape}, "
+                                      f"expected {tuple(cur_data.shape)}")
+            value = jax.random.wrap_key_data(jnp.asarray(arr), impl=impl)
+        else:
+            if tuple(arr.shape) != tuple(current.shape):
+                raise CheckpointError(f"{where}: key '{key}' has shape {tuple(arr.shape)}, "
+                                      f"expected {tuple(current.shape)}")
+            if arr.dtype != np.dtype(current.dtype):
+                raise CheckpointError(f"{where}: key '{key}' has dtype {arr.dtype}, "
+                                      f"expected {np.dtype(current.dtype)}")
+            value = jnp.asarray(arr)
+            sharding = getattr(current, "sharding", None)
+            if sharding is not None and isinstance(current, jax.Array):
+                value = jax.device_put(value, sharding)
+        new_flat[group][p] = value
+
+    for group, st in groups.items():
+        flat = nnx.to_flat_state(st)
+        upd = [(p, _replace(var, new_flat[group][p])) for p, var in flat if p in new_flat[group]]
+        target = optimizer if group == "opt" else model
+        nnx.update(target, nnx.from_flat_state(upd))
+    return state.get("data_state"), int(state["step"])
+
+
+def _replace(var, value):
+    if isinstance(var, nnx.Variable):
+        return var.replace(value)
+    return value

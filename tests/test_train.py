@@ -1,0 +1,554 @@
+"""jqlora.train: data, optimizer, train loop, checkpoints (CPU, tiny stub model)."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jqlora import train as T
+from jqlora.train import checkpoint as ckpt_mod
+
+# ------------------------------------------------------------------------------------------------
+# fixtures: a char-level tokenizer built on the fly, a tiny causal LM following the model contract
+# ------------------------------------------------------------------------------------------------
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz .,!?"
+SPECIALS = ["<pad>", "<s>", "</s>"]
+
+
+def _make_tokenizer(path: Path) -> Path:
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(ALPHABET) + ["<unk>"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.add_special_tokens(SPECIALS)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory) -> Path:
+    return _make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_path):
+    return T.load_tokenizer(tok_path)
+
+
+VOCAB = len(SPECIALS) + len(ALPHABET) + 1  # 35
+
+
+@dataclasses.dataclass(frozen=True)
+class StubConfig:  # hashable, so equal models share one compiled train step
+    vocab_size: int
+
+
+class StubLM(nnx.Module):
+    """embedding (+ previous token within the segment) -> LoRALinear -> dropout -> head.
+
+    Follows the contract: ``model(input_ids, *, positions, segment_ids, cache) -> (B, T, V)``."""
+
+    def __init__(self, vocab_size=VOCAB, dim=32, rank=4, dropout=0.0, seed=0):
+        rngs = nnx.Rngs(params=seed, dropout=seed + 100)
+        self.config = StubConfig(vocab_size)
+        self.embed = nnx.Embed(vocab_size, dim, rngs=rngs)
+        self.prev = nnx.Embed(vocab_size, dim, rngs=rngs)
+        self.proj = nnx.LoRALinear(dim, dim, lora_rank=rank, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.head = nnx.Linear(dim, vocab_size, rngs=rngs)
+
+    def __call__(self, input_ids, *, positions=None, segment_ids=None, cache=None):
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(input_ids)
+        prev_ids = jnp.pad(input_ids, ((0, 0), (1, 0)))[:, :-1]
+        prev_seg = jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1]
+        same = ((prev_seg == segment_ids) & (segment_ids > 0))[..., None]
+        h = self.embed(input_ids) + jnp.where(same, self.prev(prev_ids), 0.0)
+        h = h + self.drop(jnp.tanh(self.proj(h)))
+        return self.head(h)
+
+
+def lora_arrays(model) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))]
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def pattern_rows(n=24, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ["abc", "hello", "the cat", "xyz", "go, go!"]
+    out = []
+    for i in range(n):
+        w = words[i % len(words)]
+        out.append({"text": " ".join([w] * int(rng.integers(1, 4)))})
+    return out
+
+
+def base_config(tmp_path, tok_path, data_path, **kw) -> T.TrainConfig:
+    cfg = dict(data_path=str(data_path), tokenizer_path=str(tok_path), seq_len=32, batch_size=4,
+               lr=1e-2, warmup=2, steps=6, seed=3, out_dir=str(tmp_path / "run"), save_every=0,
+               log_every=1, progress=False, grad_clip=1.0)
+    cfg.update(kw)
+    return T.TrainConfig(**cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+# ------------------------------------------------------------------------------------------------
+
+GOOD = {"text": "abc"}
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ('{"text": "abc"', "invalid JSON"),
+    ('{"prompt": "q"}', "missing field 'completion'"),
+    ('{"text": 3}', "'text' must be a string"),
+    ('{"prompt": "q", "completion": ["a"]}', "'completion' must be a string"),
+    ('{"text": ""}', "'text' is empty"),
+    ('{"prompt": "q", "completion": "  "}', "'completion' is empty"),
+    ("", "empty line"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"txt": "abc"}', "needs a 'text' field"),
+    ('{"text": "a", "prompt": "b", "completion": "c"}', "both"),
+])
+def test_jsonl_errors_name_file_and_line(tmp_path, bad, needle):
+    p = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD, bad, GOOD])
+    with pytest.raises(T.DataError) as e:
+        T.load_jsonl(p)
+    msg = str(e.value)
+    assert "d.jsonl" in msg and "line 3" in msg and needle in msg, msg
+
+
+def test_jsonl_ok_and_empty_file(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"prompt": "", "completion": "x", "id": 7}])
+    exs = T.load_jsonl(p)
+    assert [e.line for e in exs] == [1, 2] and exs[1].completion == "x"
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(T.DataError, match="no examples"):
+        T.load_jsonl(tmp_path / "e.jsonl")
+
+
+def test_special_tokens_resolution(tok, tok_path, tmp_path):
+    sp = T.special_tokens(tok)
+    assert (sp.bos_id, sp.eos_id, sp.pad_id) == (1, 2, 0)
+    sp = T.special_tokens(tok, bos=None, eos="</s>", pad=None)
+    assert (sp.bos_id, sp.eos_id, sp.pad_id) == (None, 2, 2)
+    with pytest.raises(T.DataError, match="not in the tokenizer"):
+        T.special_tokens(tok, bos="<|begin_of_text|>")
+    # tokenizer_config.json beside tokenizer.json wins over well-known names
+    (tok_path.parent / "tokenizer_config.json").write_text(json.dumps({"bos_token": "a"}))
+    try:
+        assert T.special_tokens(tok, tokenizer_path=tok_path).bos_id == tok.token_to_id("a")
+    finally:
+        (tok_path.parent / "tokenizer_config.json").unlink()
+
+
+def test_prompt_completion_masks_only_completion(tok):
+    sp = T.special_tokens(tok)
+    ex = T.parse_example({"prompt": "what? ", "completion": "hello."})
+    ids, trained = T.tokenize_example(tok, ex, sp)
+    it = T.BatchIterator([(ids, trained)], seq_len=24, batch_size=1, packing=False, shuffle=False,
+                         pad_id=sp.pad_id)
+    b = next(it)
+    m = b["loss_mask"][0].astype(bool)
+    assert tok.decode([int(t) for t in b["targets"][0][m]], skip_special_tokens=False) \
+        .replace(" ", "") == "hello.</s>"
+    n = len(ids) - 1
+    # inputs are the whole example minus its last token; nothing of the prompt is a target
+    assert list(b["input_ids"][0][:n]) == list(ids[:-1])
+    assert m.sum() == len("hello.") + 1 and not m[n:].any()
+    assert not m[: 1 + len("what? ") - 1].any()  # targets that are prompt tokens
+    # text examples: every token after BOS is a target
+    ids, trained = T.tokenize_example(tok, T.parse_example({"text": "abc"}), sp)
+    assert list(trained) == [False, True, True, True, True]
+
+
+def _check_rows(batch, seq_len):
+    """segment ids 1..k then 0 padding; positions restart at each segment; targets are the next
+    input inside a segment. Returns the segments as (inputs, targets) lists."""
+    segs = []
+    for r in range(batch["input_ids"].shape[0]):
+        seg, pos = batch["segment_ids"][r], batch["positions"][r]
+        n = int(np.count_nonzero(seg))
+        assert (seg[n:] == 0).all() and (pos[n:] == 0).all() and (batch["loss_mask"][r, n:] == 0).all()
+        assert n > 0 and seg[0] == 1
+        d = np.diff(seg[:n])
+        assert set(np.unique(d)) <= {0, 1}
+        for s in range(1, int(seg[:n].max()) + 1):
+            idx = np.nonzero(seg == s)[0]
+            assert (np.diff(idx) == 1).all()
+            assert list(pos[idx]) == list(range(len(idx)))
+            inp, tgt = batch["input_ids"][r, idx], batch["targets"][r, idx]
+            assert (tgt[:-1] == inp[1:]).all()
+            segs.append((tuple(inp), tuple(tgt)))
+    return segs
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(2, 12), min_size=1, max_size=12),
+       seq_len=st.integers(11, 16), batch_size=st.integers(1, 3), seed=st.integers(0, 5))
+def test_packing_segments_positions_no_straddle(lengths, seq_len, batch_size, seed):
+    # every example has distinct token values so that segments can be matched to examples
+    docs, base = [], 0
+    for n in lengths:
+        docs.append(np.arange(base, base + n, dtype=np.int32))
+        base += n
+    tokenized = [(d, np.ones(len(d), bool)) for d in docs]
+    it = T.BatchIterator(tokenized, seq_len=seq_len, batch_size=batch_size, packing=True,
+                         seed=seed)
+    want = {(tuple(d[:-1]), tuple(d[1:])) for d in docs}
+    seen = []
+    while len(seen) < len(docs):
+        seen += _check_rows(next(it), seq_len)
+    # each segment is one whole example (no document straddles a row or shares a segment),
+    # and the first epoch holds each example exactly once
+    first_epoch = seen[: len(docs)]
+    assert sorted(first_epoch) == sorted(want)
+
+
+def test_padding_mode_and_truncation(tok):
+    sp = T.special_tokens(tok)
+    docs = [T.parse_example({"text": t}) for t in ["ab", "abcdefghijklmnop", "xyz"]]
+    tokd = T.tokenize_examples(tok, docs, sp)
+    it = T.BatchIterator(tokd, seq_len=8, batch_size=3, packing=False, shuffle=False,
+                         pad_id=sp.pad_id)
+    b = next(it)
+    assert b["input_ids"].shape == (3, 8) and b["input_ids"].dtype == np.int32
+    assert list(b["segment_ids"].max(axis=1)) == [1, 1, 1]
+    assert list(np.count_nonzero(b["segment_ids"], axis=1)) == [3, 8, 4]  # 2+2-1, trunc, 3+2-1
+    assert (b["input_ids"][0, 3:] == sp.pad_id).all() and (b["loss_mask"][0, 3:] == 0).all()
+    _check_rows(b, 8)
+    # overflow="split": the long example becomes several segments, each starting at position 0
+    it = T.BatchIterator(tokd[1:2], seq_len=8, batch_size=3, packing=False, shuffle=False,
+                         overflow="split")
+    b = next(it)
+    assert list(np.count_nonzero(b["segment_ids"], axis=1)) == [8, 8, 1]
+    assert b["targets"][0, -1] == b["input_ids"][1, 0]
+
+
+def test_iterator_resume_is_exact_across_epochs():
+    rng = np.random.default_rng(0)
+    tokd = [(rng.integers(0, 30, int(n)).astype(np.int32), np.ones(int(n), bool))
+            for n in rng.integers(2, 9, 11)]
+    kw = dict(seq_len=10, batch_size=2, packing=True, seed=7)
+    a = T.BatchIterator(tokd, **kw)
+    straight = [next(a) for _ in range(12)]
+    b = T.BatchIterator(tokd, **kw)
+    first = [next(b) for _ in range(5)]
+    state = json.loads(json.dumps(b.state_dict()))
+    c = T.BatchIterator(tokd, **kw)
+    c.load_state_dict(state)
+    rest = [next(c) for _ in range(7)]
+    assert a.state_dict()["epoch"] >= 2
+    for x, y in zip(straight, first + rest):
+        for k in T.data.BATCH_KEYS:
+            np.testing.assert_array_equal(x[k], y[k])
+    # other data -> refused
+    d = T.BatchIterator(tokd[:-1], **kw)
+    with pytest.raises(T.DataError, match="different data"):
+        d.load_state_dict(state)
+
+
+def test_tokenizer_vocab_mismatch(tok, tmp_path, tok_path):
+    T.check_tokenizer_fits(tok, VOCAB)
+    T.check_tokenizer_fits(tok, VOCAB + 64)  # padded embeddings are fine
+    with pytest.raises(T.DataError, match=r"vocab_size is 20"):
+        T.check_tokenizer_fits(tok, 20)
+    data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(4))
+    with pytest.raises(T.DataError, match="vocab_size"):
+        T.train(StubLM(vocab_size=20), base_config(tmp_path, tok_path, data))
+
+
+# ------------------------------------------------------------------------------------------------
+# optimizer
+# ------------------------------------------------------------------------------------------------
+
+def test_schedule_warmup_then_cosine():
+    s = T.make_schedule(1.0, 4, 14)
+    vals = [float(s(i)) for i in range(16)]
+    np.testing.assert_allclose(vals[:4], [0.25, 0.5, 0.75, 1.0], rtol=1e-6)
+    assert vals[4] == pytest.approx(1.0) and vals[9] == pytest.approx(0.5, abs=1e-6)
+    assert all(a >= b for a, b in zip(vals[4:], vals[5:])) and vals[14] == pytest.approx(0.0)
+    tx = T.make_optimizer(1e-3, 0, 10, weight_decay=0.1, grad_clip=None)
+    assert tx.init({"w": jnp.zeros(3)}) is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# training
+# ------------------------------------------------------------------------------------------------
+
+def test_loss_decreases_and_only_lora_changes(tmp_path, tok_path):
+    data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(32))
+    model = StubLM(dropout=0.1)
+    frozen_before = [np.asarray(x) for x in jax.tree.leaves(
+        nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))]
+    cfg = base_config(tmp_path, tok_path, data, steps=40, lr=3e-2, warmup=3, log_every=5,
+                      eval_every=20, eval_data_path=str(data), progress=True)
+    res = T.train(model, cfg)
+    assert [s for s, _ in res.eval_losses] == [20, 40]
+    assert res.eval_losses[-1][1] < res.eval_losses[0][1]
+    with open(Path(cfg.out_dir) / "eval.csv") as f:
+        assert [int(r[0]) for r in list(csv.reader(f))[1:]] == [20, 40]
+    assert res.step == 40 and len(res.losses) == 40 and all(np.isfinite(res.losses))
+    assert np.mean(res.losses[-5:]) < np.mean(res.losses[:3]) - 0.5, res.losses
+    frozen_after = [np.asarray(x) for x in jax.tree.leaves(
+        nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))]
+    for a, b in zip(frozen_before, frozen_after):
+        np.testing.assert_array_equal(a, b)
+    # CSV: one row per logged step (every 5 of 40), PNG written
+    with open(res.csv_path) as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "loss", "lr", "tokens_per_s"]
+    assert [int(r[0]) for r in rows[1:]] == list(range(5, 41, 5))
+    assert float(rows[-1][1]) == pytest.approx(res.losses[-1])
+    assert res.png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # eval mode is restored to train mode afterwards, eval works
+    ev = T.evaluate(model, T.make_batch_iterator(data, T.load_tokenizer(tok_path), seq_len=32,
+                                                 batch_size=4).eval_batches())
+    assert np.isfinite(ev) and ev < res.losses[0]
+    # the out_dir now holds checkpoints: a non-resume run refuses to overwrite it
+    with pytest.raises(FileExistsError, match="resume=True"):
+        T.train(StubLM(), cfg)
+
+
+def test_grad_accumulation_equals_big_batch(tmp_path, tok_path):
+    # padding mode with uneven lengths: micro-batches hold different numbers of loss tokens
+    data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(20, seed=1))
+    out = {}
+    for bs, k in [(4, 1), (2, 2)]:
+        model = StubLM()
+        cfg = base_config(tmp_path, tok_path, data, batch_size=bs, grad_accum=k, steps=3,
+                          packing=False, out_dir=str(tmp_path / f"run{bs}"))
+        res = T.train(model, cfg)
+        out[k] = (res.losses, lora_arrays(model))
+    np.testing.assert_allclose(out[1][0], out[2][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(out[1][1], out[2][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert np.abs(out[1][1][1]).max() > 0  # lora_b moved
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def test_resume_after_interruption_is_exact(tmp_path, tok_path):
+    data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(10))  # several epochs in 6 steps
+    N = 6
+    kw = dict(steps=N, save_every=N // 2, log_every=1, seq_len=16, batch_size=2, grad_accum=2)
+
+    straight = StubLM(dropout=0.2)
+    ra = T.train(straight, base_config(tmp_path, tok_path, data, out_dir=str(tmp_path / "a"),
+                                       **kw))
+
+    def crash(step, metrics):
+        if step == N // 2:
+            raise Crash("simulated interruption")
+
+    cfg_b = base_config(tmp_path, tok_path, data, out_dir=str(tmp_path / "b"), **kw)
+    first = []
+    with pytest.raises(Crash):
+        T.train(StubLM(dropout=0.2), cfg_b,
+                on_step=lambda s, m: (first.append(m["loss"]), crash(s, m)))
+    resumed = StubLM(dropout=0.2)  # fresh objects, as in a new process
+    rb = T.train(resumed, cfg_b, resume=True)
+    assert rb.resumed_from == N // 2 and rb.steps == list(range(N // 2 + 1, N + 1))
+    assert first + rb.losses == ra.losses  # bitwise: same batches, same dropout masks
+    for a, b in zip(lora_arrays(straight), lora_arrays(resumed)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    with open(rb.csv_path) as f:
+        assert [int(r[0]) for r in list(csv.reader(f))[1:]] == list(range(1, N + 1))
+    # resuming a finished run is a no-op
+    assert T.train(StubLM(dropout=0.2), cfg_b, resume=True).steps == []
+
+
+class PoisonAt:
+    """Wraps a BatchIterator; the n-th batch drawn (1-based) gets a NaN in its loss mask."""
+
+    def __init__(self, it, n):
+        self.it, self.n, self.count = it, n, 0
+
+    def __next__(self):
+        b = next(self.it)
+        self.count += 1
+        if self.count == self.n:
+            b["loss_mask"][0, 0] = np.nan
+        return b
+
+    def state_dict(self):
+        return self.it.state_dict()
+
+    def load_state_dict(self, s):
+        self.it.load_state_dict(s)
+
+
+def test_nan_guard_names_step_and_keeps_checkpoint(tmp_path, tok_path, tok):
+    data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(12))
+    cfg = base_config(tmp_path, tok_path, data, steps=6, save_every=2)
+    it = T.make_batch_iterator(data, tok, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=3)
+    model = StubLM()
+    seen = {}
+    with pytest.raises(T.NonFiniteLossError, match=r"at step 3\b") as e:
+        T.train(model, cfg, data=PoisonAt(it, 3),
+                on_step=lambda s, m: seen.__setitem__(s, lora_arrays(model)))
+    assert e.value.step == 3 and "step_00000002" in str(e.value)
+    ck = Path(cfg.out_dir) / "checkpoints"
+    assert [p.name for p in sorted(ck.iterdir())] == ["step_00000002"]
+    # the failed update was not applied in memory either
+    for a, b in zip(seen[2], lora_arrays(model)):
+        np.testing.assert_array_equal(a, b)
+    # the checkpoint is intact and restores to the step-2 params
+    fresh = StubLM()
+    opt = nnx.Optimizer(fresh, T.make_optimizer(1e-2, 2, 6), wrt=nnx.LoRAParam)
+    _, step = T.restore_checkpoint(ck, fresh, opt)
+    assert step == 2
+    for a, b in zip(seen[2], lora_arrays(fresh)):
+        np.testing.assert_array_equal(a, b)
+    # lr = inf: the first update produces non-finite params -> step 1
+    cfg2 = base_config(tmp_path, tok_path, data, lr=float("inf"), out_dir=str(tmp_path / "inf"))
+    with pytest.raises(T.NonFiniteLossError, match=r"at step 1\b"):
+        T.train(StubLM(), cfg2)
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints
+# ------------------------------------------------------------------------------------------------
+
+def _model_opt(rank=4, dropout=0.1):
+    m = StubLM(rank=rank, dropout=dropout)
+    return m, nnx.Optimizer(m, T.make_optimizer(1e-2, 1, 10), wrt=nnx.LoRAParam)
+
+
+def test_checkpoint_roundtrip_bf16_and_rng(tmp_path):
+    m, opt = _model_opt()
+    m.proj.lora.lora_a[...] = jnp.full(m.proj.lora.lora_a.shape, 0.3)
+    m.drop(jnp.ones(4))  # advance the dropout counter
+    path = T.save_checkpoint(tmp_path, m, opt, {"epoch": 1, "index": 2, "seed": 3}, 5)
+    assert path.name == "step_00000005"
+    raw = (path / "state.json").read_text()
+    assert "pickle" not in raw and json.loads(raw)["step"] == 5
+    m2, opt2 = _model_opt()
+    ds, step = T.restore_checkpoint(tmp_path, m2, opt2)
+    assert step == 5 and ds == {"epoch": 1, "index": 2, "seed": 3}
+    for a, b in zip(jax.tree.leaves(nnx.state(m, nnx.RngState)),
+                    jax.tree.leaves(nnx.state(m2, nnx.RngState))):
+        a, b = (jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+                for x in (a, b))
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(lora_arrays(m), lora_arrays(m2)):
+        np.testing.assert_array_equal(a, b)
+    # bfloat16 LoRA params survive (stored as uint16 + dtype in the JSON)
+    class BF(nnx.Module):
+        def __init__(self):
+            self.l = nnx.LoRA(4, 2, 4, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    b1, b2 = BF(), BF()
+    b2.l.lora_a[...] = jnp.zeros_like(b2.l.lora_a[...])
+    T.save_checkpoint(tmp_path / "bf", b1, None, None, 1)
+    T.restore_checkpoint(tmp_path / "bf", b2, None)
+    assert b2.l.lora_a[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(b1.l.lora_a[...], np.float32),
+                                  np.asarray(b2.l.lora_a[...], np.float32))
+
+
+def test_interrupted_checkpoint_write_keeps_previous(tmp_path, monkeypatch):
+    m, opt = _model_opt()
+    T.save_checkpoint(tmp_path, m, opt, {"epoch": 0, "index": 1, "seed": 0}, 1)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "step_00000001").iterdir()}
+    real = ckpt_mod._write_file
+    calls = []
+
+    def flaky(path, data):
+        calls.append(path.name)
+        if len(calls) == 2:  # arrays written, state.json fails midway
+            Path(path).write_bytes(data[: len(data) // 2])
+            raise OSError("disk full (simulated)")
+        real(path, data)
+
+    monkeypatch.setattr(ckpt_mod, "_write_file", flaky)
+    m.proj.lora.lora_a[...] = m.proj.lora.lora_a[...] + 1
+    with pytest.raises(OSError, match="disk full"):
+        T.save_checkpoint(tmp_path, m, opt, {"epoch": 0, "index": 2, "seed": 0}, 2)
+    calls.clear()
+    with pytest.raises(OSError, match="disk full"):  # re-saving an existing step: old one kept
+        T.save_checkpoint(tmp_path, m, opt, {"epoch": 0, "index": 2, "seed": 0}, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # no temp litter
+    assert {p.name: p.read_bytes() for p in (tmp_path / "step_00000001").iterdir()} == before
+    m2, opt2 = _model_opt()
+    assert T.restore_checkpoint(tmp_path, m2, opt2) == ({"epoch": 0, "index": 1, "seed": 0}, 1)
+    # keep=2 prunes older ones only after a successful write
+    monkeypatch.setattr(ckpt_mod, "_write_file", real)
+    for s in (2, 3, 4):
+        T.save_checkpoint(tmp_path, m, opt, None, s, keep=2)
+    assert [s for s, _ in T.list_checkpoints(tmp_path)] == [3, 4]
+
+
+def test_corrupt_or_mismatched_checkpoint_names_key(tmp_path):
+    m, opt = _model_opt()
+    path = T.save_checkpoint(tmp_path, m, opt, None, 1)
+    # different LoRA rank -> shape mismatch naming the key
+    m8, opt8 = _model_opt(rank=8)
+    with pytest.raises(T.CheckpointError, match=r"'lora/proj\.lora\.lora_a' has shape \(32, 4\)"):
+        T.restore_checkpoint(path, m8, opt8)
+    # a model with an extra LoRA module -> missing key named
+    class Two(StubLM):
+        def __init__(self):
+            super().__init__(dropout=0.1)
+            self.extra = nnx.LoRA(4, 2, 4, rngs=nnx.Rngs(1))
+    m2 = Two()
+    before = lora_arrays(m2)
+    with pytest.raises(T.CheckpointError, match=r"missing key 'lora/extra\.lora_a'"):
+        T.restore_checkpoint(path, m2, nnx.Optimizer(m2, T.make_optimizer(1e-2, 1, 10),
+                                                     wrt=nnx.LoRAParam))
+    for a, b in zip(before, lora_arrays(m2)):  # nothing half-restored
+        np.testing.assert_array_equal(a, b)
+    # flipped bytes -> checksum error naming the file
+    f = path / "arrays.safetensors"
+    blob = bytearray(f.read_bytes())
+    blob[-3] ^= 0xFF
+    f.write_bytes(bytes(blob))
+    with pytest.raises(T.CheckpointError, match="arrays.safetensors: checksum mismatch"):
+        T.restore_checkpoint(path, *_model_opt())
+    (path / "state.json").write_text("{not json")
+    with pytest.raises(T.CheckpointError, match="state.json: corrupt"):
+        T.restore_checkpoint(path, *_model_opt())
+    with pytest.raises(FileNotFoundError):
+        T.restore_checkpoint(tmp_path / "nothing", *_model_opt())
+
+
+def test_remat_flag_uses_model_hook():
+    class WithHook(StubLM):
+        remat = False
+
+        def set_remat(self, on):
+            self.remat = on
+
+    m = WithHook()
+    T.loop._apply_remat(m, True)
+    assert m.remat is True
+
+    class WithAttr(StubLM):
+        def __init__(self):
+            super().__init__()
+            self.remat = False
+
+    m = WithAttr()
+    T.loop._apply_remat(m, "dots")
+    assert m.remat == "dots"
+    with pytest.warns(UserWarning, match="no set_remat"):
+        T.loop._apply_remat(StubLM(), True)
