@@ -29,14 +29,14 @@ def _fwd_bwd(op):
         out = []
         for w in ws:
             y, vjp = jax.vjp(lambda xx: op(xx, w), x)
-            out.append(vjp(dy)[0])
+            out.append((y, vjp(dy)[0]))  # keep y: an unused forward would be dead code
         return out
     return f
 
 
 def jax_contenders(variants: list[str]):
     """name -> op(x, w) for each JAX contender; w is the dense or quantized weight it needs."""
-    dense = lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+    dense = lambda x, w: x @ w.T  # bf16 in, bf16 out: what users call
     c = {"jnp.dot bf16": ("dense", dense),
          "jnp dequant + dot (xla)": ("nf4", lambda x, q: ops.qmatmul(x, q, backend="xla")),
          "qmatmul pallas (auto plan)": ("nf4", lambda x, q: ops.qmatmul(x, q, backend="pallas"))}

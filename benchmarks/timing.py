@@ -18,9 +18,19 @@ def l2_defeating_copies(weight_bytes: int, l2_bytes: int = 60 * 2**20, cap: int 
     return max(1, min(cap, -(-2 * l2_bytes // max(1, weight_bytes))))
 
 
+def _spin_up(call, seconds: float = 0.15) -> None:
+    """Run `call` back to back for a while first: an idle GPU sits at low clocks, and a
+    measurement taken right after a compile would time the clock ramp, not the kernel."""
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        call()
+
+
 def jax_device_ms(fn, *args, iterations: int = 20) -> float:
     """Median per-call kernel time (ms) of jitted `fn(*args)` over `iterations` calls."""
     f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    _spin_up(lambda: jax.block_until_ready(f(*args)))
     try:
         from jax.experimental.mosaic.gpu import profiler
 
@@ -46,6 +56,7 @@ def torch_device_ms(fn, iterations: int = 20) -> float:
 
     fn()
     torch.cuda.synchronize()
+    _spin_up(lambda: (fn(), torch.cuda.synchronize()))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iterations):
             fn()

@@ -12,3 +12,8 @@ settings.register_profile(
     "jqlora", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.load_profile("jqlora")
+
+# float32 references mean float32: on a GPU, XLA would otherwise round f32 matmuls to TF32.
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
