@@ -49,8 +49,20 @@ def _variant(name: str):
     return registry.get(name)
 
 
+def after(activation: jax.Array, q):
+    """`q`, usable only once `activation` exists.
+
+    Dequantization depends on nothing but the weight, so XLA's scheduler may hoist every layer's
+    (transient) dense weight to the start of the backward pass, all alive at once: a 32-layer
+    stack then peaks at ~27 dense weights (measured on an H200). Tying the weight to the
+    activation it multiplies keeps one layer's dense weight alive at a time.
+    """
+    return jax.lax.optimization_barrier((activation, q))
+
+
 def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "weight_only") -> jax.Array:
     """y = x @ dequant(W).T, (M, K) x (N, K) -> (M, N) in out_dtype."""
+    x, q = after(x, q)
     if numerics == "llm_int8":
         if not isinstance(q, Int8Weight):
             raise ValueError("numerics='llm_int8' applies to Int8Weight only")
@@ -71,6 +83,7 @@ def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "
 
 def backward_product(plan: Plan, dy: jax.Array, q, *, out_dtype) -> jax.Array:
     """dx = dy @ dequant(W), (M, N) x (N, K) -> (M, K); dequantizes again instead of reusing."""
+    dy, q = after(dy, q)
     if plan.backend == "xla":
         return _dot_nn(dy, dequantize(q, dy.dtype)).astype(out_dtype)
     fn = _variant(plan.bwd).fn

@@ -21,18 +21,24 @@ def blockwise_scale(x: jax.Array, blocksize: int):
     """Split flat fp32 `x` into blocks, return (absmax (nb,), scaled in [-1, 1] padded to nb*bs).
 
     Full blocks multiply by the fp32 reciprocal of absmax; a short last block divides by it,
-    exactly as bitsandbytes' default op does, so both give the same bits.
+    exactly as bitsandbytes' default op does, so both give the same bits. Two XLA behaviours are
+    kept out of the way: an all-zero block scales to 0 explicitly (bitsandbytes clamps absmax at
+    1e-38, a subnormal that XLA flushes to zero, which would give 0 * inf = NaN), and the
+    division is fenced so the simplifier cannot turn it into a (1-ulp-off) reciprocal multiply.
+    Weights beyond ~8.5e37 or below ~1.2e-38 (fp32 subnormals) are not reproduced bit for bit.
     """
     n = x.shape[0]
     nb = -(-n // blocksize)
     rem = n % blocksize
     blocks = jnp.pad(x, (0, nb * blocksize - n)).reshape(nb, blocksize)
     absmax = jnp.max(jnp.abs(blocks), axis=1)
-    safe = jnp.maximum(absmax, jnp.float32(1e-38))[:, None]
+    nonzero = (absmax > 0)[:, None]
+    safe = jnp.where(nonzero, absmax[:, None], jnp.float32(1.0))
     scaled = blocks * (jnp.float32(1.0) / safe)
     if rem:
-        last = blocks[-1:] / safe[-1:]
-        scaled = jnp.concatenate([scaled[:-1], last], axis=0)
+        denom = jax.lax.optimization_barrier(jnp.broadcast_to(safe[-1:], blocks[-1:].shape))
+        scaled = jnp.concatenate([scaled[:-1], blocks[-1:] / denom], axis=0)
+    scaled = jnp.where(nonzero, scaled, jnp.float32(0.0))
     return absmax, jnp.clip(scaled, -1.0, 1.0).reshape(-1)
 
 

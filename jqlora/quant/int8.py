@@ -20,7 +20,9 @@ def quantize_int8(w: jax.Array, threshold: float = 0.0) -> Int8Weight:
         raise ValueError(f"int8 quantization takes a 2-D (out, in) weight, got shape {w.shape}")
     w16 = w.astype(jnp.float16).astype(jnp.float32)
     scb = jnp.max(jnp.abs(w16), axis=1)
-    scaled = w16 * (jnp.float32(127.0) / scb[:, None])
+    # torch evaluates 127.0 / SCB as reciprocal(SCB) * 127: one more rounding, which decides
+    # exact .5 ties; copy it so CB matches bitsandbytes bit for bit.
+    scaled = w16 * ((jnp.float32(1.0) / scb[:, None]) * jnp.float32(127.0))
     cb = jnp.where(scb[:, None] > 0, jnp.round(scaled), 0.0).astype(jnp.int8)
     return Int8Weight(cb=cb, scb=scb, threshold=float(threshold), stored_dtype=np.dtype(w.dtype).name)
 

@@ -1,0 +1,111 @@
+"""PEFT adapters <-> jqlora models: the glue the CLI, the demo and the cross-check share.
+
+The file format lives in `interop.peft_adapter` (save_peft_adapter / load_peft_adapter); this
+module only maps it onto `jqlora.lora.LoraConfig` and a model's LoRA layers:
+
+* `lora_config_from_peft(adapter_config)`  PEFT adapter_config.json dict -> LoraConfig
+* `save_adapter(path, model, lora_config, base_model=...)`  a model's LoRA weights -> PEFT dir
+* `load_adapter(path)`  -> (LoraConfig, {module: {"lora_A", "lora_B"}}, adapter_config)
+* `attach_adapter(model, params)`  set a model's LoRA weights (strict: every module must match)
+* `load_model_with_adapter(model_path, adapter_dir, ...)`  load_causal_lm + the adapter
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from jqlora.lora import LoraConfig, lora_params_by_module, named_linears, set_lora_params
+
+
+class AdapterMismatchError(ValueError):
+    """A PEFT adapter that does not fit the model (unknown module, wrong shape, unsupported option)."""
+
+
+def lora_config_from_peft(cfg: Mapping[str, Any], where: str = "adapter_config.json") -> LoraConfig:
+    """The LoraConfig a PEFT LoRA adapter config describes. Per-module ranks/alphas
+    (rank_pattern / alpha_pattern), DoRA, bias training and fan_in_fan_out are not supported."""
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise AdapterMismatchError(f"{where}: {key} (per-module rank/alpha) is not supported by jqlora")
+    if cfg.get("use_dora"):
+        raise AdapterMismatchError(f"{where}: use_dora=true is not supported (plain LoRA only)")
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        raise AdapterMismatchError(f"{where}: bias={cfg.get('bias')!r} / lora_bias adapters are not supported")
+    if cfg.get("fan_in_fan_out"):
+        raise AdapterMismatchError(f"{where}: fan_in_fan_out=true (Conv1D/GPT-2 layout) is not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterMismatchError(f"{where}: modules_to_save {cfg['modules_to_save']!r} is not supported")
+    targets = cfg.get("target_modules")
+    if targets is None:
+        raise AdapterMismatchError(f"{where}: target_modules is missing")
+    if not isinstance(targets, str):
+        targets = tuple(targets)
+    return LoraConfig(rank=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", cfg["r"])),
+                      dropout=float(cfg.get("lora_dropout", 0.0) or 0.0), target_modules=targets,
+                      use_rslora=bool(cfg.get("use_rslora", False)))
+
+
+def save_adapter(path, model, lora_config: LoraConfig, *, base_model: Optional[str] = None) -> str:
+    """Write the model's LoRA weights as a PEFT adapter directory (float32); returns the path."""
+    import interop
+
+    params = lora_params_by_module(model)
+    if not params:
+        raise ValueError("the model has no LoRA layers: nothing to export")
+    targets = lora_config.target_modules
+    return interop.save_peft_adapter(
+        path, params, rank=int(lora_config.rank), alpha=float(lora_config.alpha),
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        base_model_name_or_path=base_model, use_rslora=bool(lora_config.use_rslora),
+        dropout=float(lora_config.dropout))
+
+
+def load_adapter(path):
+    """-> (LoraConfig, {module: {"lora_A": (r, in), "lora_B": (out, r)}}, adapter_config dict)."""
+    import interop
+
+    params, cfg = interop.load_peft_adapter(path)
+    return lora_config_from_peft(cfg, f"{path}/adapter_config.json"), params, cfg
+
+
+def attach_adapter(model, params: Mapping[str, Mapping[str, Any]], *, where: str = "adapter") -> dict:
+    """Set the model's LoRA weights from `params` (every adapter module must be a LoRA layer of
+    the model and every LoRA layer must be given). Returns a report: matched modules, the model's
+    linear layers the adapter leaves alone, rank, parameter count."""
+    layers = dict(named_linears(model))
+    unknown = sorted(set(params) - set(layers))
+    if unknown:
+        raise AdapterMismatchError(f"{where}: module(s) {unknown[:5]} not in the model"
+                                   + (" ..." if len(unknown) > 5 else "")
+                                   + f" (the model has {len(layers)} linear layers, e.g. {next(iter(layers), None)!r})")
+    try:
+        set_lora_params(model, params, strict=True)
+    except (KeyError, ValueError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        raise AdapterMismatchError(f"{where}: {msg}") from None
+    n = sum(int(p["lora_A"].size) + int(p["lora_B"].size) for p in params.values())
+    return dict(matched=sorted(params), untouched=sorted(set(layers) - set(params)), lora_params=n)
+
+
+def load_model_with_adapter(model_path, adapter_dir=None, *, compute_dtype=None, rngs=None, **load_kw):
+    """`models.load_causal_lm(model_path)`, with the PEFT adapter in `adapter_dir` applied when
+    given. Returns (model, report or None, LoraConfig or None)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jqlora import models
+
+    compute_dtype = jnp.float32 if compute_dtype is None else compute_dtype
+    if adapter_dir is None:
+        return models.load_causal_lm(model_path, compute_dtype=compute_dtype, **load_kw), None, None
+    cfg, params, _ = load_adapter(adapter_dir)
+    # The adapter's dropout only matters for training; evaluation runs in eval mode anyway.
+    cfg = dataclasses.replace(cfg, dropout=0.0)
+    model = models.load_causal_lm(model_path, lora=cfg, compute_dtype=compute_dtype,
+                                  rngs=rngs if rngs is not None else nnx.Rngs(0), **load_kw)
+    report = attach_adapter(model, params, where=str(adapter_dir))
+    return model, report, cfg
+
+
+__all__ = ["AdapterMismatchError", "lora_config_from_peft", "save_adapter", "load_adapter", "attach_adapter",
+           "load_model_with_adapter"]

@@ -1,0 +1,51 @@
+"""`jqlora crosscheck PATH`: JAX vs transformers + bitsandbytes (+ PEFT) in torch, layer by layer."""
+from __future__ import annotations
+
+import json
+
+HELP = "compare JAX with transformers+bitsandbytes(+PEFT) in torch: per-layer and logits errors"
+DESCRIPTION = """\
+Run the same random token ids through (a) transformers AutoModelForCausalLM.from_pretrained(PATH)
+on CPU with bitsandbytes (and peft.PeftModel with --adapter) and (b) jqlora.models.load_causal_lm
+(+ the same adapter) in JAX, and report, for the embeddings, every decoder layer's output hidden
+state, the final norm and the logits: max absolute error and relative error (max abs error /
+max |torch value|). Exit status 2 (FAIL) when the logits' relative error exceeds --tolerance.
+
+Default tolerances: float32 1e-3, bfloat16 5e-2 (1e-2 at least for LLM.int8 checkpoints, whose
+activations are quantized on both sides). The torch side uses bitsandbytes' reference path
+(exact dequantize + linear); --bnb-cpu-kernel keeps its eval-mode CPU kernel, which rounds to
+bf16 internally on AVX512-BF16 CPUs (expect ~1e-2). --perturb X deliberately scales layer 0's
+input norm of the JAX model by (1 + X): a self-test showing that the check fails and where.
+See jqlora/crosscheck.py for the details (library: jqlora.crosscheck.crosscheck)."""
+
+
+def add_arguments(p):
+    p.add_argument("path", help="checkpoint directory (bitsandbytes 4/8-bit or plain)")
+    p.add_argument("--adapter", help="PEFT adapter directory, applied on both sides")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per row")
+    p.add_argument("--batch", type=int, default=2, help="rows")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype, both sides")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max allowed relative error of the logits (default: by dtype, see above)")
+    p.add_argument("--int8-numerics", choices=("llm_int8", "weight_only"), default="llm_int8",
+                   help="for 8-bit checkpoints: bitsandbytes inference numerics or the weight-only path")
+    p.add_argument("--bnb-cpu-kernel", action="store_true",
+                   help="torch side: keep bitsandbytes' eval-mode fused CPU 4-bit kernel")
+    p.add_argument("--perturb", type=float, default=0.0, help="self-test: perturb the JAX model (see above)")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+
+
+def run(args) -> int:
+    from jqlora.cli._common import CLIError, quiet_third_party
+
+    if args.tokens < 1 or args.batch < 1:
+        raise CLIError("--tokens and --batch must be >= 1")
+    quiet_third_party()
+    from jqlora.crosscheck import crosscheck
+
+    res = crosscheck(args.path, adapter=args.adapter, tokens=args.tokens, batch=args.batch, seed=args.seed,
+                     dtype=args.dtype, tolerance=args.tolerance, bnb_cpu_kernel=args.bnb_cpu_kernel,
+                     int8_numerics=args.int8_numerics, perturb=args.perturb)
+    print(json.dumps(res.to_dict(), indent=1) if args.json else res.format())
+    return 0 if res.passed else 2

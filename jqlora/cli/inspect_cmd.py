@@ -1,0 +1,124 @@
+"""`jqlora inspect PATH`: what a (bitsandbytes-quantized or plain) HF checkpoint holds."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from jqlora.cli._common import CLIError, fmt_bytes
+
+HELP = "per-tensor format, shapes and bytes of a bitsandbytes checkpoint, with totals"
+DESCRIPTION = """\
+Read a Hugging Face checkpoint directory (config.json + model.safetensors or a sharded index)
+through interop.load_bnb_checkpoint, which validates every tensor, and list per entry:
+
+  name      module name for a quantized linear layer (model.layers.0.self_attn.q_proj),
+            the full tensor key for everything else (model.norm.weight)
+  kind      nf4 | fp4 (bitsandbytes 4-bit), int8 (LLM.int8), plain (unquantized)
+  block     4-bit blocksize (- otherwise)
+  nested    4-bit double quantization (absmax stored as 8-bit codes)
+  dtype     the weight's dtype when it was quantized (quant_state metadata), or the stored dtype
+  shape     logical shape ((out_features, in_features) for a linear layer)
+  bytes     bytes of all its tensors (packed codes + scales + tables for quantized weights)
+
+Totals: quantized bytes, plain bytes, parameters (logical elements) and effective bits per
+parameter (8 * bytes / parameters), overall and over the quantized weights alone.
+
+Every tensor is read (on the CPU) so that it is validated: this takes as long as loading the
+checkpoint. Exit status 2 with a message naming the file and tensor when it is malformed."""
+
+
+def add_arguments(p):
+    p.add_argument("path", help="checkpoint directory (or a single .safetensors file with config.json beside it)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--limit", type=int, default=None,
+                   help="show at most this many rows in the table (totals always cover everything)")
+
+
+def _entry(name, value) -> dict:
+    from jqlora import quant
+
+    if isinstance(value, quant.Weight4bit):
+        return dict(name=name, kind=value.quant_type, blocksize=int(value.blocksize), nested=bool(value.nested),
+                    dtype=value.stored_dtype, shape=[int(d) for d in value.shape], bytes=int(value.nbytes),
+                    params=int(value.numel), quantized=True)
+    if isinstance(value, quant.Int8Weight):
+        return dict(name=name, kind="int8", blocksize=None, nested=False, dtype=value.stored_dtype,
+                    shape=[int(d) for d in value.shape], bytes=int(value.nbytes),
+                    params=int(math.prod(value.shape)), quantized=True, threshold=float(value.threshold))
+    shape = [int(d) for d in getattr(value, "shape", ())]
+    nbytes = int(getattr(value, "nbytes", 0))
+    return dict(name=name, kind="plain", blocksize=None, nested=False, dtype=str(value.dtype), shape=shape,
+                bytes=nbytes, params=int(math.prod(shape)), quantized=False)
+
+
+def inspect_checkpoint(path) -> dict:
+    """-> {"path", "model_type", "quantization", "tensors": [...], "totals": {...}}. Raises the
+    interop CheckpointError (a ValueError naming file and tensor) on a malformed checkpoint."""
+    import jax
+
+    import interop
+
+    path = Path(path)
+    if not path.exists():
+        raise CLIError(f"{path}: no such checkpoint file or directory")
+    ckpt_dir = path.parent if path.is_file() else path
+    params, config = interop.load_bnb_checkpoint(ckpt_dir, device=jax.devices("cpu")[0])
+    rows = [_entry(k, v) for k, v in sorted(params.items())]
+    q = [r for r in rows if r["quantized"]]
+    pl = [r for r in rows if not r["quantized"]]
+    qb, pb = sum(r["bytes"] for r in q), sum(r["bytes"] for r in pl)
+    qp, pp = sum(r["params"] for r in q), sum(r["params"] for r in pl)
+    files = sorted(str(p) for p in ckpt_dir.glob("*.safetensors"))
+    kinds: dict[str, int] = {}
+    for r in rows:
+        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    totals = dict(
+        entries=len(rows), by_kind=kinds,
+        quantized_bytes=qb, plain_bytes=pb, total_bytes=qb + pb,
+        quantized_params=qp, plain_params=pp, params=qp + pp,
+        bits_per_param=(8.0 * (qb + pb) / (qp + pp)) if qp + pp else None,
+        bits_per_quantized_param=(8.0 * qb / qp) if qp else None,
+        file_bytes=sum(Path(f).stat().st_size for f in files),
+    )
+    qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else None
+    return dict(path=str(ckpt_dir), model_type=config.get("model_type"), files=files,
+                quantization=qc, tensors=rows, totals=totals)
+
+
+def _table(info: dict, limit=None) -> str:
+    rows = info["tensors"]
+    shown = rows if limit is None else rows[:limit]
+    head = ("name", "kind", "block", "nested", "dtype", "shape", "bytes")
+    body = [(r["name"], r["kind"], str(r["blocksize"] or "-"), "yes" if r["nested"] else "-", r["dtype"],
+             "x".join(map(str, r["shape"])) or "()", str(r["bytes"])) for r in shown]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.rjust(w) if i == 6 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    lines = [f"checkpoint: {info['path']} (model_type {info['model_type']})", fmt(head), fmt(["-" * w for w in widths])]
+    lines += [fmt(b) for b in body]
+    if len(shown) < len(rows):
+        lines.append(f"... {len(rows) - len(shown)} more rows (--limit)")
+    t = info["totals"]
+    bpp = f"{t['bits_per_param']:.3f}" if t["bits_per_param"] is not None else "-"
+    bpq = f"{t['bits_per_quantized_param']:.3f}" if t["bits_per_quantized_param"] is not None else "-"
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(t["by_kind"].items()))
+    lines += [
+        "",
+        f"entries:          {t['entries']} ({kinds})",
+        f"quantized bytes:  {t['quantized_bytes']} ({fmt_bytes(t['quantized_bytes'])}) over {t['quantized_params']} params"
+        f" = {bpq} bits/param",
+        f"plain bytes:      {t['plain_bytes']} ({fmt_bytes(t['plain_bytes'])}) over {t['plain_params']} params",
+        f"parameters:       {t['params']}",
+        f"total bytes:      {t['total_bytes']} ({fmt_bytes(t['total_bytes'])}); files on disk {t['file_bytes']}",
+        f"effective bits/param: {bpp}",
+    ]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    info = inspect_checkpoint(args.path)
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(_table(info, args.limit))
+    return 0

@@ -1,0 +1,321 @@
+"""`jqlora train`: LoRA fine-tuning from a config file and/or flags, ending with a PEFT adapter."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from jqlora.cli._common import CLIError, load_config_file, write_json_atomic
+
+HELP = "LoRA fine-tuning of a (bitsandbytes) checkpoint; writes a PEFT adapter at the end"
+DESCRIPTION = """\
+Load a checkpoint with jqlora.models.load_causal_lm, add LoRA, train it with jqlora.train.train
+on a JSONL file ({"text": ...} or {"prompt": ..., "completion": ...} per line), and write the
+adapter in PEFT format (interop.save_peft_adapter) to --adapter-out (default <out_dir>/adapter).
+
+Settings come from, in increasing priority: the stored settings of the run (<out_dir>/
+jqlora_run.json, only with --resume), a config file (--config x.json or x.toml), and flags.
+Config file keys: `model`, `compute_dtype`, `backend`, `quantize`, `init_adapter`, `adapter_out`,
+a `lora` table (rank, alpha, dropout, target_modules, use_rslora) and the TrainConfig fields
+(top level or in a `train` table). Example (TOML):
+
+    model = "ckpt/llama-nf4"
+    compute_dtype = "bfloat16"
+    [lora]
+    rank = 16
+    alpha = 32
+    target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    [train]
+    data_path = "data/train.jsonl"
+    seq_len = 256
+    steps = 500
+    out_dir = "runs/x"
+
+Every TrainConfig field also has a flag (--seq-len, --batch-size, --lr, ...; `none` sets an
+optional one to None). The tokenizer defaults to the model directory's tokenizer.json.
+Outputs in out_dir: loss.csv, loss.png, checkpoints/step_*, jqlora_run.json (what export-peft
+needs) and the adapter. --resume continues from the newest checkpoint with the stored settings
+(raise --steps to train longer); model and LoRA settings must not change."""
+
+RUN_FILE = "jqlora_run.json"
+RUN_FORMAT = "jqlora-run"
+_TOP_KEYS = ("model", "compute_dtype", "backend", "quantize", "init_adapter", "adapter_out")
+_LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "use_rslora")
+_LORA_DEFAULTS = dict(rank=16, alpha=32.0, dropout=0.0, target_modules=None, use_rslora=False)
+
+
+def _train_fields():
+    from jqlora.train import TrainConfig
+
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _parse_value(text: str, typ: str, name: str):
+    """Parse a flag value for a TrainConfig field whose annotation is `typ` (a string such as
+    "int", "float | None", "bool | str", "Any")."""
+    parts = [t.strip() for t in typ.split("|")]
+    low = text.lower()
+    if "Any" in parts:  # bos/eos: 'auto', true/false, none, a token id or a token string
+        if low in ("none", "null", "false"):
+            return None
+        if low == "true":
+            return True
+        return int(text) if text.lstrip("-").isdigit() else text
+    if "None" in parts and low in ("none", "null"):
+        return None
+    if "bool" in parts and low in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+        return low in ("true", "yes", "on", "1")
+    for kind, conv in (("int", int), ("float", float)):
+        if kind in parts:
+            try:
+                return conv(text)
+            except ValueError:
+                if "str" not in parts:
+                    raise CLIError(f"--{name.replace('_', '-')}: cannot parse {text!r} as {typ}") from None
+    if "str" in parts:
+        return text
+    raise CLIError(f"--{name.replace('_', '-')}: cannot parse {text!r} as {typ}")
+
+
+_FIELD_HELP = {
+    "data_path": "JSONL training data", "tokenizer_path": "tokenizer.json or its directory (default: the model's)",
+    "seq_len": "tokens per row", "batch_size": "rows per micro-batch", "grad_accum": "micro-batches per step",
+    "lr": "peak learning rate", "warmup": "linear warmup steps", "steps": "total optimizer steps",
+    "out_dir": "output directory", "save_every": "checkpoint every N steps (0: only at the end)",
+    "eval_data_path": "JSONL evaluation data", "eval_every": "evaluate every N steps",
+    "resume": "continue from the newest checkpoint in out_dir", "progress": "progress bar (default: on a terminal)",
+    "remat": "rematerialize decoder layers (true or a policy name)", "grad_clip": "global-norm clip (none: off)",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser):
+    S = argparse.SUPPRESS
+    g = p.add_argument_group("model and LoRA")
+    g.add_argument("--config", help="JSON or TOML config file (see above)")
+    g.add_argument("--model", default=S, help="checkpoint directory (bitsandbytes 4/8-bit or plain)")
+    g.add_argument("--compute-dtype", dest="compute_dtype", default=S, choices=("float32", "bfloat16", "float16"),
+                   help="dtype of every matmul (default: float32 on CPU, bfloat16 on GPU)")
+    g.add_argument("--backend", default=S, choices=("auto", "pallas", "interpret", "xla"),
+                   help="qmatmul backend (default auto)")
+    g.add_argument("--quantize", default=S, choices=("nf4", "fp4", "int8"),
+                   help="quantize a plain checkpoint's linear layers at load")
+    g.add_argument("--rank", type=int, default=S, help=f"LoRA rank (default {_LORA_DEFAULTS['rank']})")
+    g.add_argument("--alpha", type=float, default=S, help=f"LoRA alpha (default {_LORA_DEFAULTS['alpha']:g})")
+    g.add_argument("--lora-dropout", dest="dropout", type=float, default=S, help="LoRA dropout (default 0)")
+    g.add_argument("--target-modules", dest="target_modules", default=S,
+                   help="comma-separated module-name suffixes (q_proj,v_proj) or re:<regex> on the full "
+                        "dotted name (default: all attention and MLP projections)")
+    g.add_argument("--use-rslora", dest="use_rslora", action=argparse.BooleanOptionalAction, default=S,
+                   help="scale alpha/sqrt(r) instead of alpha/r")
+    g.add_argument("--init-adapter", dest="init_adapter", default=S,
+                   help="start from this PEFT adapter's weights (its rank/alpha/targets are used)")
+    g.add_argument("--adapter-out", dest="adapter_out", default=S,
+                   help="where to write the PEFT adapter at the end (default <out_dir>/adapter)")
+    g.add_argument("--dry-run", action="store_true", help="print the resolved settings as JSON and exit")
+    t = p.add_argument_group("training (jqlora.train.TrainConfig fields)")
+    from jqlora.train import TrainConfig  # light: no model code runs
+
+    defaults = TrainConfig()
+    for name, f in _train_fields().items():
+        typ = str(f.type)
+        flag = "--" + name.replace("_", "-")
+        dflt = getattr(defaults, name)
+        what = _FIELD_HELP.get(name, "")
+        if typ in ("bool", "bool | None"):
+            t.add_argument(flag, dest="t_" + name, action=argparse.BooleanOptionalAction, default=S,
+                           help=f"{what} (default {dflt})".strip())
+        else:
+            t.add_argument(flag, dest="t_" + name, default=S, metavar=name.upper(),
+                           help=f"{what}{': ' if what else ''}{typ} (default {dflt})")
+
+
+# ------------------------------------------------------------------------------------- settings
+def _split_file_settings(data: dict, where: str) -> dict:
+    """Config file dict -> {"top": {...}, "lora": {...}, "train": {...}} (unknown keys rejected)."""
+    fields = _train_fields()
+    top, lora, train = {}, {}, {}
+    for k, v in data.items():
+        if k in _TOP_KEYS:
+            top[k] = v
+        elif k == "lora":
+            if not isinstance(v, dict):
+                raise CLIError(f"{where}: 'lora' must be a table/object")
+            for lk, lv in v.items():
+                if lk not in _LORA_KEYS:
+                    raise CLIError(f"{where}: unknown key lora.{lk}; expected one of {', '.join(_LORA_KEYS)}")
+                lora[lk] = lv
+        elif k == "train":
+            if not isinstance(v, dict):
+                raise CLIError(f"{where}: 'train' must be a table/object")
+            for tk, tv in v.items():
+                if tk not in fields:
+                    raise CLIError(f"{where}: unknown key train.{tk}; expected a TrainConfig field")
+                train[tk] = tv
+        elif k in fields:
+            train[k] = v
+        elif k in ("format", "version"):
+            continue
+        else:
+            raise CLIError(f"{where}: unknown key {k!r}; expected {', '.join(_TOP_KEYS)}, 'lora', 'train' "
+                           "or a TrainConfig field")
+    return {"top": top, "lora": lora, "train": train}
+
+
+def _targets(v):
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if v.startswith("re:"):
+            return v[3:]
+        return tuple(s.strip() for s in v.split(",") if s.strip())
+    return tuple(v)
+
+
+def resolve_settings(args) -> dict:
+    """Merge stored run settings (with --resume), the config file and flags."""
+    fields = _train_fields()
+    layers = []
+    resume = getattr(args, "t_resume", None)
+    cfg_file = None
+    if args.config:
+        cfg_file = _split_file_settings(load_config_file(args.config), args.config)
+    flags = {"top": {k: getattr(args, k) for k in _TOP_KEYS if hasattr(args, k)},
+             "lora": {k: getattr(args, k) for k in _LORA_KEYS if hasattr(args, k)},
+             "train": {k: _flag_value(getattr(args, "t_" + k), str(f.type), k)
+                       for k, f in fields.items() if hasattr(args, "t_" + k)}}
+    if "target_modules" in flags["lora"]:
+        flags["lora"]["target_modules"] = _targets(flags["lora"]["target_modules"])
+    out_dir = flags["train"].get("out_dir") or (cfg_file or {}).get("train", {}).get("out_dir")
+    if resume is None and cfg_file is not None:
+        resume = cfg_file["train"].get("resume")
+    stored = None
+    if resume:
+        from jqlora.train import TrainConfig
+
+        run_file = Path(out_dir or TrainConfig().out_dir) / RUN_FILE
+        if run_file.is_file():
+            stored = _split_file_settings(load_config_file(run_file), str(run_file))
+            layers.append(stored)
+    if cfg_file is not None:
+        layers.append(cfg_file)
+    layers.append(flags)
+    merged = {"top": {}, "lora": dict(_LORA_DEFAULTS), "train": {}}
+    for layer in layers:
+        for part in merged:
+            merged[part].update(layer[part])
+    merged["lora"]["target_modules"] = _targets(merged["lora"]["target_modules"])
+    if stored is not None:
+        # model, LoRA shape and dtype must match the run being resumed
+        for key in ("model", "compute_dtype", "quantize"):
+            same = (lambda a, b: a is not None and b is not None and Path(a).resolve() == Path(b).resolve()) \
+                if key == "model" else (lambda a, b: a == b)
+            if key in stored["top"] and not same(merged["top"].get(key), stored["top"][key]):
+                raise CLIError(f"--resume: {key} is {merged['top'].get(key)!r} but the run in {out_dir} used "
+                               f"{stored['top'][key]!r}")
+        for key in ("rank", "alpha", "target_modules", "use_rslora"):
+            if key in stored["lora"] and _norm(merged["lora"][key]) != _norm(_targets(stored["lora"][key])
+                                                                           if key == "target_modules" else stored["lora"][key]):
+                raise CLIError(f"--resume: lora.{key} is {merged['lora'][key]!r} but the run in {out_dir} used "
+                               f"{stored['lora'][key]!r}")
+    merged["resumed_settings"] = stored is not None
+    return merged
+
+
+def _norm(v):
+    if isinstance(v, (tuple, list)):
+        return sorted(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return v
+
+
+def _flag_value(value, typ: str, name: str):
+    if not isinstance(value, str):
+        return value  # booleans from BooleanOptionalAction
+    return _parse_value(value, typ, name)
+
+
+def run(args) -> int:
+    s = resolve_settings(args)
+    top, lcfg, tcfg = s["top"], s["lora"], s["train"]
+    if not top.get("model"):
+        raise CLIError("no model: pass --model PATH or set `model` in the config file")
+    from jqlora.cli._common import default_compute_dtype, jnp_dtype, quiet_third_party
+
+    quiet_third_party()
+    from jqlora.train import TrainConfig
+
+    try:
+        config = TrainConfig(**tcfg)
+        config.validate()
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"invalid training settings: {e}") from None
+    model_path = Path(top["model"])
+    if not model_path.is_dir():
+        raise CLIError(f"{model_path}: no such checkpoint directory")
+    if config.data_path is None:
+        raise CLIError("no training data: pass --data-path FILE.jsonl or set data_path in the config file")
+    if config.tokenizer_path is None:
+        if (model_path / "tokenizer.json").is_file():
+            config.tokenizer_path = str(model_path)
+        else:
+            raise CLIError(f"no tokenizer: {model_path} has no tokenizer.json; pass --tokenizer-path")
+    compute = top.get("compute_dtype") or default_compute_dtype()
+    out_dir = Path(config.out_dir)
+    adapter_out = Path(top.get("adapter_out") or out_dir / "adapter")
+
+    from flax import nnx
+
+    from jqlora import adapters, models
+    from jqlora.lora import LoraConfig
+
+    init = None
+    if top.get("init_adapter"):
+        init_cfg, init_params, _ = adapters.load_adapter(top["init_adapter"])
+        lora_cfg = dataclasses.replace(init_cfg, dropout=float(lcfg.get("dropout") or 0.0))
+        init = init_params
+    else:
+        kw = {k: v for k, v in lcfg.items() if v is not None}
+        lora_cfg = LoraConfig(**kw)
+    record = {
+        "format": RUN_FORMAT, "version": 1,
+        "model": str(model_path.resolve()), "compute_dtype": compute, "backend": top.get("backend", "auto"),
+        **({"quantize": top["quantize"]} if top.get("quantize") else {}),
+        **({"init_adapter": str(top["init_adapter"])} if top.get("init_adapter") else {}),
+        **({"adapter_out": str(top["adapter_out"])} if top.get("adapter_out") else {}),
+        "lora": {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "dropout": lora_cfg.dropout,
+                 "target_modules": lora_cfg.target_modules if isinstance(lora_cfg.target_modules, str)
+                 else list(lora_cfg.target_modules), "use_rslora": lora_cfg.use_rslora},
+        "train": dataclasses.asdict(config),
+    }
+    if args.dry_run:
+        print(json.dumps(record, indent=2))
+        return 0
+    model = models.load_causal_lm(model_path, lora=lora_cfg, compute_dtype=jnp_dtype(compute),
+                                  quantize=top.get("quantize"), backend=top.get("backend", "auto"),
+                                  rngs=nnx.Rngs(config.seed))
+    if init is not None:
+        rep = adapters.attach_adapter(model, init, where=str(top["init_adapter"]))
+        print(f"initialized {len(rep['matched'])} LoRA modules from {top['init_adapter']}", file=sys.stderr)
+    write_json_atomic(out_dir / RUN_FILE, record)  # before training: export-peft works on partial runs
+    from jqlora.train import NonFiniteLossError, train
+
+    try:
+        res = train(model, config)
+    except NonFiniteLossError as e:
+        raise CLIError(str(e)) from None
+    adapters.save_adapter(adapter_out, model, lora_cfg, base_model=str(model_path))
+    start = res.resumed_from
+    print(f"trained steps {(start or 0) + 1}..{res.step}" + (f" (resumed from step {start})" if start else "")
+          if res.steps else f"nothing to train: already at step {res.step} of {config.steps}")
+    if res.losses:
+        print(f"loss: first {res.losses[0]:.4f}, last {res.losses[-1]:.4f}")
+    if res.eval_losses:
+        print(f"eval loss: {res.eval_losses[-1][1]:.4f} (step {res.eval_losses[-1][0]})")
+    print(f"loss curve: {res.csv_path}" + (f", {res.png_path}" if res.png_path else ""))
+    print(f"checkpoint: {res.checkpoint}")
+    print(f"adapter (PEFT): {adapter_out}")
+    return 0

@@ -1,0 +1,264 @@
+"""The `jqlora` CLI: help texts, inspect, crosscheck, train -> export-peft -> import-peft, generate,
+bench on CPU, and a fast smoke run of the demo pipeline. Commands run in-process through
+`jqlora.cli.main(argv)` (the console script calls the same function)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jqlora.cli import COMMANDS, main
+
+pytestmark = pytest.mark.torch
+
+
+def run_cli(capsys, *argv):
+    """-> (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def nf4_ckpt(tmp_path_factory):
+    """A tiny transformers + bitsandbytes NF4 Llama checkpoint, with the demo's char tokenizer."""
+    checkpoint_factory = pytest.importorskip("checkpoint_factory")
+    from jqlora.demo import task
+
+    src = checkpoint_factory.cached_llama_checkpoint(tmp_path_factory, quant="nf4",
+                                                     config_overrides={"initializer_range": 0.1})
+    dst = tmp_path_factory.mktemp("cli") / "nf4"
+    shutil.copytree(src, dst)
+    task.save_tokenizer(dst)  # 31 char tokens; the model's vocab is 128
+    return dst
+
+
+@pytest.fixture(scope="module")
+def trained(nf4_ckpt, tmp_path_factory):
+    """`jqlora train` for 3 steps from a TOML config + flag overrides."""
+    from jqlora.demo import task
+
+    root = tmp_path_factory.mktemp("train")
+    data = task.write_jsonl(root / "train.jsonl", task.make_split(64, 0, seed=3).train)
+    cfg = root / "train.toml"
+    cfg.write_text(f'model = "{nf4_ckpt}"\ncompute_dtype = "float32"\n'
+                   '[lora]\nrank = 4\nalpha = 8\ntarget_modules = ["q_proj", "v_proj", "down_proj"]\n'
+                   f'[train]\ndata_path = "{data}"\nseq_len = 32\nbatch_size = 4\nsteps = 99\n'
+                   f'lr = 0.01\nout_dir = "{root / "run"}"\nsave_every = 2\nlog_every = 1\n')
+    rc = main(["train", "--config", str(cfg), "--steps", "3", "--keep-checkpoints", "none"])
+    assert rc == 0
+    return root / "run"
+
+
+# ---------------------------------------------------------------------------------------------- help
+def test_help_of_every_command(capsys):
+    rc, out, _ = run_cli(capsys, "--help")
+    assert rc == 0
+    for name in COMMANDS:
+        assert name in out
+    for name in COMMANDS:
+        rc, out, _ = run_cli(capsys, name, "--help")
+        assert rc == 0, name
+        assert f"usage: jqlora {name}" in out and len(out) > 400, name
+    rc, _, err = run_cli(capsys)
+    assert rc == 2
+
+
+def test_console_script_entry_point():
+    exe = Path(sys.executable).with_name("jqlora")
+    if not exe.exists():
+        pytest.skip("console script not installed in this environment")
+    r = subprocess.run([str(exe), "inspect", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "effective bits per" in r.stdout.replace("\n", " ").replace("  ", " ")
+
+
+# ------------------------------------------------------------------------------------------- inspect
+def test_inspect_text_and_json_totals(nf4_ckpt, capsys):
+    rc, out, _ = run_cli(capsys, "inspect", nf4_ckpt)
+    assert rc == 0
+    assert "model.layers.0.self_attn.q_proj" in out and "nf4" in out and "effective bits/param" in out
+    rc, out, _ = run_cli(capsys, "inspect", nf4_ckpt, "--json")
+    assert rc == 0
+    info = json.loads(out)
+    rows, t = info["tensors"], info["totals"]
+    quant = [r for r in rows if r["kind"] == "nf4"]
+    assert len(quant) == 2 * 7  # 2 layers x 7 projections; lm_head stays plain
+    assert all(r["blocksize"] == 64 and r["nested"] and r["dtype"] == "float32" for r in quant)
+    q = next(r for r in rows if r["name"] == "model.layers.0.mlp.down_proj")
+    assert q["shape"] == [64, 128] and q["params"] == 64 * 128
+    n, nb = 64 * 128, 64 * 128 // 64  # packed + absmax codes + 16-entry table + nested absmax/table/offset
+    assert q["bytes"] == n // 2 + nb + 16 * 4 + 4 * 1 + 256 * 4 + 4
+    plain = next(r for r in rows if r["name"] == "lm_head.weight")
+    assert plain["kind"] == "plain" and plain["bytes"] == 128 * 64 * 4
+    assert t["quantized_bytes"] == sum(r["bytes"] for r in quant)
+    assert t["total_bytes"] == sum(r["bytes"] for r in rows)
+    assert t["params"] == sum(int(np.prod(r["shape"])) for r in rows)
+    assert t["bits_per_param"] == pytest.approx(8 * t["total_bytes"] / t["params"])
+    # 4 bits + scales + per-module tables (the 1 KiB nested table weighs a lot in matrices this small)
+    assert t["bits_per_quantized_param"] == pytest.approx(8 * t["quantized_bytes"] / t["quantized_params"])
+    assert 4.0 < t["bits_per_quantized_param"] < t["bits_per_param"]
+
+
+def test_inspect_errors_name_file_and_tensor(nf4_ckpt, tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(nf4_ckpt, bad)
+    f = bad / "model.safetensors"
+    tensors = load_file(f)
+    key = "model.layers.0.self_attn.q_proj.weight.quant_state.bitsandbytes__nf4"
+    tensors[key] = np.frombuffer(b"{not json" + b" " * 20, np.uint8).copy()
+    save_file(tensors, f)
+    rc, out, err = run_cli(capsys, "inspect", bad)
+    assert rc == 2 and out == ""
+    assert str(f) in err and key in err
+    raw = f.read_bytes()
+    f.write_bytes(raw[: len(raw) // 2])  # truncated file
+    rc, _, err = run_cli(capsys, "inspect", bad)
+    assert rc == 2 and str(f) in err and "Traceback" not in err
+    rc, _, err = run_cli(capsys, "inspect", tmp_path / "nope")
+    assert rc == 2 and "nope" in err
+
+
+# ---------------------------------------------------------------------------------------- crosscheck
+def test_crosscheck_passes_and_fails(nf4_ckpt, capsys):
+    rc, out, _ = run_cli(capsys, "crosscheck", nf4_ckpt, "--tokens", "8", "--json")
+    assert rc == 0, out
+    rep = json.loads(out)
+    assert rep["passed"] and rep["logits"]["rel"] < 1e-4
+    assert [d["name"] for d in rep["layers"]] == ["embed", "layer.0", "layer.1", "norm"]
+    # an impossible tolerance fails
+    rc, out, _ = run_cli(capsys, "crosscheck", nf4_ckpt, "--tokens", "8", "--tolerance", "1e-12")
+    assert rc == 2 and "FAIL" in out
+    # perturbed JAX weights fail, and the report localizes the error at layer 0
+    rc, out, _ = run_cli(capsys, "crosscheck", nf4_ckpt, "--tokens", "8", "--perturb", "0.05", "--json")
+    rep = json.loads(out)
+    assert rc == 2 and not rep["passed"]
+    d = {x["name"]: x for x in rep["layers"]}
+    assert d["embed"]["max_abs"] == 0.0 and d["layer.0"]["rel"] > 1e-3
+
+
+def test_crosscheck_library_with_perturbed_quantized_weight(nf4_ckpt):
+    """The library entry point with a caller-built JAX model whose 4-bit absmax was altered."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jqlora import models, quant
+    from jqlora.crosscheck import crosscheck
+
+    m = models.load_causal_lm(nf4_ckpt, compute_dtype=jnp.float32)
+    layer = m.model.layers[1].mlp.up_proj
+    w = layer.base.get_value()
+    assert isinstance(w, quant.Weight4bit)
+    layer.base.set_value(dataclasses.replace(w, offset=w.offset * 1.5))
+    res = crosscheck(nf4_ckpt, jax_model=m, tokens=8)
+    assert not res.passed
+    assert res.layers[1].rel < 1e-5 and res.layers[2].rel > 1e-3  # layer.0 fine, layer.1 broken
+
+
+# ------------------------------------------------------------------ train -> export -> import -> use
+def test_train_export_import_roundtrip(trained, nf4_ckpt, tmp_path, capsys):
+    from interop import load_peft_adapter
+
+    assert (trained / "jqlora_run.json").is_file() and (trained / "loss.csv").is_file()
+    run = json.loads((trained / "jqlora_run.json").read_text())
+    assert run["train"]["steps"] == 3 and run["lora"]["rank"] == 4  # flag overrode the file
+    written, cfg = load_peft_adapter(trained / "adapter")
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and len(written) == 6
+    # export-peft from the training checkpoint reproduces the adapter written at the end
+    out = tmp_path / "exported"
+    rc, text, err = run_cli(capsys, "export-peft", trained, out)
+    assert rc == 0, err
+    assert "step 3" in text
+    exported, _ = load_peft_adapter(out)
+    assert set(exported) == set(written)
+    for m in written:
+        for k in ("lora_A", "lora_B"):
+            np.testing.assert_array_equal(exported[m][k], written[m][k])
+    assert any(np.any(p["lora_B"] != 0) for p in exported.values())
+    # an earlier step differs
+    rc, _, err = run_cli(capsys, "export-peft", trained, tmp_path / "step2", "--step", "2")
+    assert rc == 0, err
+    step2, _ = load_peft_adapter(tmp_path / "step2")
+    assert any(not np.array_equal(step2[m]["lora_B"], written[m]["lora_B"]) for m in written)
+    # import-peft: every module matched, and the adapter changes the logits
+    rc, text, err = run_cli(capsys, "import-peft", out, "--model", nf4_ckpt, "--json")
+    assert rc == 0, err
+    rep = json.loads(text)
+    assert len(rep["matched"]) == 6 and rep["rank"] == 4 and rep["logits_max_abs_change"] > 0
+    assert "model.layers.0.self_attn.k_proj" in rep["untouched"]
+    # PEFT in torch loads the exported adapter and agrees with JAX
+    rc, text, _ = run_cli(capsys, "crosscheck", nf4_ckpt, "--adapter", out, "--tokens", "8")
+    assert rc == 0, text
+    # an adapter that does not fit the model is rejected with a clear message
+    wrong = tmp_path / "wrong"
+    shutil.copytree(out, wrong)
+    c = json.loads((wrong / "adapter_config.json").read_text())
+    c["r"] = 8
+    (wrong / "adapter_config.json").write_text(json.dumps(c))
+    rc, _, err = run_cli(capsys, "import-peft", wrong, "--model", nf4_ckpt)
+    assert rc == 2 and "adapter_model.safetensors" in err
+
+
+def test_train_resume_and_errors(trained, tmp_path, capsys):
+    trained = Path(shutil.copytree(trained, tmp_path / "run"))  # other tests read the original
+    # --resume continues from the stored settings (no --config needed) up to the new step count
+    rc, text, err = run_cli(capsys, "train", "--resume", "--out-dir", trained, "--steps", "4")
+    assert rc == 0, err
+    assert "resumed from step 3" in text
+    assert json.loads((trained / "jqlora_run.json").read_text())["train"]["steps"] == 4
+    rc, _, err = run_cli(capsys, "train", "--resume", "--out-dir", trained, "--steps", "5", "--rank", "8")
+    assert rc == 2 and "lora.rank" in err
+    rc, _, err = run_cli(capsys, "train", "--out-dir", trained, "--steps", "5")
+    assert rc == 2 and "no model" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model": "x", "lora": {"rnak": 4}}))
+    rc, _, err = run_cli(capsys, "train", "--config", bad)
+    assert rc == 2 and "lora.rnak" in err and str(bad) in err
+
+
+def test_generate_prints_tokens(trained, nf4_ckpt, capsys):
+    rc, out, err = run_cli(capsys, "generate", nf4_ckpt, "--prompt", "abc=", "--max-new-tokens", "5",
+                           "--adapter", trained / "adapter", "--show-ids")
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("abc=") and lines[1].startswith("ids:")
+    ids = [int(t) for t in lines[1].split()[1:]]
+    assert 1 <= len(ids) <= 5 and all(0 <= t < 128 for t in ids)
+    rc, out, _ = run_cli(capsys, "generate", nf4_ckpt, "--prompt-ids", "1,5,6,7", "--max-new-tokens", "4",
+                         "--temperature", "0.8", "--top-p", "0.9", "--seed", "1", "--json")
+    assert rc == 0
+    assert len(json.loads(out)["ids"]) <= 4
+
+
+# --------------------------------------------------------------------------------------------- bench
+def test_bench_on_cpu_exits_2(capsys):
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("GPU present: the benchmark would really run")
+    rc, _, err = run_cli(capsys, "bench")
+    assert rc == 2 and "no GPU" in err
+
+
+# ---------------------------------------------------------------------------------------------- demo
+def test_demo_pipeline_quick(tmp_path):
+    from jqlora.demo import DemoSettings, run_demo
+
+    lines = []
+    s = run_demo(tmp_path / "demo", DemoSettings.quick(), log=lines.append, progress=False)
+    text = "\n".join(lines)
+    assert s["ok"] and s["crosscheck"]["passed"] and s["adapter_roundtrip_max_abs"] == 0.0
+    for key in ("loss_png", "loss_csv", "adapter", "base_nf4"):
+        assert Path(s[key]).exists(), key
+    assert (Path(s["adapter"]) / "adapter_model.safetensors").is_file()
+    assert json.loads((tmp_path / "demo" / "summary.json").read_text())["accuracy_after"] == s["accuracy_after"]
+    assert "before" in text and "crosscheck" in text and "jqlora demo summary" in text
