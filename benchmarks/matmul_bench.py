@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import jax_device_ms, l2_defeating_copies, torch_device_ms
+from benchmarks.timing import jax_device_ms, l2_defeating_copies
 from jqlora import ops, quant
 
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
@@ -76,58 +76,10 @@ def bench_shape(k, n, m, variants, *, iterations=10, with_torch=True, log=print)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows[name] = row
         log(f"  M={m} K={k} N={n} {name}: {row}")
-    if with_torch:
-        rows.update(_torch_rows(k, n, m, iterations, log))
-    return rows
+    if with_torch:  # same process: only for a quick look (see benchmarks/torch_bench.py)
+        from benchmarks.torch_bench import torch_rows
 
-
-def _torch_rows(k, n, m, iterations, log):
-    try:
-        import torch
-    except ImportError:
-        return {}
-    if not torch.cuda.is_available():
-        return {}
-    rows = {}
-    dev = "cuda"
-    copies = l2_defeating_copies(n * k * 2)
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-
-    def fwd():
-        for w in ws:
-            x @ w.T
-
-    def fwd_bwd():
-        for w in ws:
-            xx = x.detach().requires_grad_(True)
-            (xx @ w.T).backward(dy)
-
-    rows["torch bf16 x @ W.T"] = {"fwd_ms": torch_device_ms(fwd, iterations) / copies,
-                                  "fwd_bwd_ms": torch_device_ms(fwd_bwd, iterations) / copies}
-    log(f"  M={m} K={k} N={n} torch bf16: {rows['torch bf16 x @ W.T']}")
-    try:
-        import bitsandbytes as bnb
-        import bitsandbytes.functional as F
-    except Exception as e:  # noqa: BLE001
-        rows["bitsandbytes matmul_4bit"] = {"error": f"not importable: {e}"[:200]}
-        return rows
-    nq = l2_defeating_copies(n * k // 2)
-    qs = [F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True) for w in (ws * nq)[:nq]]
-
-    def bfwd():
-        for p, st in qs:
-            bnb.matmul_4bit(x, p.t(), st)
-
-    def bfwd_bwd():
-        for p, st in qs:
-            xx = x.detach().requires_grad_(True)
-            bnb.matmul_4bit(xx, p.t(), st).backward(dy)
-
-    rows["bitsandbytes matmul_4bit"] = {"fwd_ms": torch_device_ms(bfwd, iterations) / nq,
-                                        "fwd_bwd_ms": torch_device_ms(bfwd_bwd, iterations) / nq}
-    log(f"  M={m} K={k} N={n} bnb: {rows['bitsandbytes matmul_4bit']}")
+        rows.update(torch_rows(k, n, m, iterations, log))
     return rows
 
 

@@ -115,14 +115,26 @@ def main(argv=None):
     if "matmul" not in skip:
         for k, n in shapes:
             for m in (int(v) for v in a.ms.split(",")):
-                rows = matmul_bench.bench_shape(k, n, m, variants, iterations=a.iterations,
-                                                with_torch=not a.no_torch, log=log)
-                res["matmul"].append({"m": m, "k": k, "n": n, "rows": rows, "ratios": matmul_bench.ratios(rows)})
+                rows = matmul_bench.bench_shape(k, n, m, variants, iterations=a.iterations, with_torch=False, log=log)
+                res["matmul"].append({"m": m, "k": k, "n": n, "rows": rows})
     if "dequant" not in skip:
         res["dequant"] = matmul_bench.dequant_throughput()
         log(f"dequant: {res['dequant']}")
     if "memory" not in skip:
         res["memory"] = _memory_runs(log)
+    if res["matmul"] and not a.no_torch:  # last, and in another process (see torch_bench.py)
+        cells = ",".join(f"{c['m']}x{c['k']}x{c['n']}" for c in res["matmul"])
+        r = subprocess.run([sys.executable, "-m", "benchmarks.torch_bench", "--cells", cells,
+                            "--iterations", str(a.iterations)], capture_output=True, text=True)
+        log(r.stderr[-2000:])
+        try:
+            torch_res = json.loads((r.stdout.strip().splitlines() or ["{}"])[-1])
+        except json.JSONDecodeError:
+            torch_res = {}
+        for c in res["matmul"]:
+            c["rows"].update(torch_res.get(f"{c['m']}x{c['k']}x{c['n']}", {}))
+    for c in res["matmul"]:
+        c["ratios"] = matmul_bench.ratios(c["rows"])
     os.makedirs(a.out, exist_ok=True)
     gpu = res["device"].lower().replace(" ", "-")
     stem = os.path.join(a.out, f"{gpu}-{res['date']}{a.tag}")
