@@ -45,11 +45,17 @@ def quantize_4bit(
     fp32 absmax equal bitsandbytes'. With double quantization, absmax - mean(absmax) is quantized
     with the 8-bit dynamic map in blocks of 256 (nested codes may differ from bitsandbytes' CPU
     kernel by one at near-ties: it uses a lookup table, this uses the exact nearest entry).
+    Compiled once per (shape, dtype, format); callable under jit too.
     """
     if quant_type not in QUANT_TYPES:
         raise ValueError(f"unknown quant_type {quant_type!r}; expected one of {QUANT_TYPES}")
     if blocksize not in BLOCKSIZES_4BIT:
         raise ValueError(f"blocksize {blocksize} not allowed; expected one of {BLOCKSIZES_4BIT}")
+    return _quantize_4bit_jit(jnp.asarray(w), quant_type, blocksize, bool(double_quant))
+
+
+def _quantize_4bit_impl(w: jax.Array, quant_type: str, blocksize: int, double_quant: bool) -> Weight4bit:
+    """The traced body of `quantize_4bit` (arguments already checked there)."""
     w = jnp.asarray(w)
     if _dtype_name(w.dtype) not in STORED_DTYPES:
         raise ValueError(f"4-bit quantization takes float16/bfloat16/float32, got {w.dtype}")
@@ -86,6 +92,9 @@ def _unfused(x: jax.Array) -> jax.Array:
     (one rounding), while bitsandbytes rounds the product first; a select between the product and
     the add keeps the two roundings (an optimization barrier or reduce_precision does not)."""
     return jnp.where(x == x, x, jnp.nan)
+
+
+_quantize_4bit_jit = jax.jit(_quantize_4bit_impl, static_argnums=(1, 2, 3))
 
 
 def absmax_f32(q: Weight4bit) -> jax.Array:
