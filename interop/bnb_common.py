@@ -1,0 +1,75 @@
+"""Pieces both directions of the bitsandbytes checkpoint code share: config.json reading and
+the (out, in) shapes a Llama-family config implies for its linear layers.
+
+Exists so that interop.bnb_load and interop.bnb_save do not import each other, and so that
+code which only needs the config or the expected shapes does not pull in the loader.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from interop.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"})
+_PROJ_RE = re.compile(r"(?:^|\.)layers\.\d+\.(?:self_attn\.([qkvo])_proj|mlp\.(gate|up|down)_proj)$")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def read_config(path) -> dict:
+    """Parse ``config.json`` of a checkpoint directory (CheckpointError if missing/malformed)."""
+    cfg_path = Path(path) / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{cfg_path}: missing (a checkpoint directory needs {CONFIG_FILE})")
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_path}: top level is a JSON {type(config).__name__}, expected an object")
+    return config
+
+
+def expected_linear_shape(config: dict, module: str):
+    """(out, in) a Llama-family config implies for `module`, or None when it says nothing."""
+    if config.get("model_type") not in LLAMA_FAMILY:
+        return None
+
+    def get(name, default=None):
+        v = config.get(name, default)
+        return int(v) if _is_int(v) and v > 0 else None
+
+    hidden = get("hidden_size")
+    if module == "lm_head":
+        vocab = get("vocab_size")
+        return (vocab, hidden) if vocab and hidden else None
+    m = _PROJ_RE.search(module)
+    if m is None or hidden is None:
+        return None
+    heads = get("num_attention_heads")
+    kv = get("num_key_value_heads", heads)
+    head_dim = get("head_dim") or (hidden // heads if heads and hidden % heads == 0 else None)
+    inter = get("intermediate_size")
+    attn, mlp = m.group(1), m.group(2)
+    shapes = {
+        "q": (heads * head_dim, hidden) if heads and head_dim else None,
+        "k": (kv * head_dim, hidden) if kv and head_dim else None,
+        "v": (kv * head_dim, hidden) if kv and head_dim else None,
+        "o": (hidden, heads * head_dim) if heads and head_dim else None,
+        "gate": (inter, hidden) if inter else None,
+        "up": (inter, hidden) if inter else None,
+        "down": (hidden, inter) if inter else None,
+    }
+    return shapes[attn or mlp]

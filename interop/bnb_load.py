@@ -1,0 +1,381 @@
+"""Load and validate bitsandbytes-quantized (or plain) Hugging Face checkpoints into JAX.
+
+Exists to hold the reading side of interop.bnb_checkpoint on its own: every check a checkpoint
+on disk must pass before it becomes ``params`` (key scheme: see interop.bnb_checkpoint).
+
+On-disk format (BNB_FORMAT.md §3, §5)
+-------------------------------------
+4-bit module ``m``: ``m.weight`` (packed codes, uint8 ((n+1)//2, 1), or the same bytes viewed as
+the ``bnb_4bit_quant_storage`` dtype), ``m.weight.absmax`` (float32, or uint8 codes when nested),
+``m.weight.quant_map`` (float32 (16,)), when nested ``m.weight.nested_absmax`` and
+``m.weight.nested_quant_map``, and ``m.weight.quant_state.bitsandbytes__nf4|fp4`` (uint8 bytes of
+``json.dumps({"quant_type", "blocksize", "dtype", "shape"[, "nested_blocksize", "nested_dtype",
+"nested_offset"]})``). 8-bit module ``m``: ``m.weight`` int8 (out, in), ``m.SCB`` float32 (out,),
+``m.weight_format`` uint8 0-d (0 = row; bitsandbytes treats a missing one as row, so do we).
+
+Shape check and transposed weights (DESIGN invariant 4)
+-------------------------------------------------------
+For Llama-family configs (model_type in :data:`LLAMA_FAMILY`) the recorded logical shape of every
+quantized ``layers.N.self_attn.{q,k,v,o}_proj`` / ``layers.N.mlp.{gate,up,down}_proj`` and of
+``lm_head`` is checked against (out, in) derived from hidden_size, intermediate_size,
+num_attention_heads, num_key_value_heads (default: heads), head_dim (default: hidden/heads) and
+vocab_size. Other architectures are not checked.
+
+A weight recorded as the transpose (in, out) of the expected shape was quantized transposed: its
+4-bit blocks run over the other axis, so no relabelling of bytes can fix it, and re-quantizing
+would be lossy. ``load_bnb_checkpoint(..., transposed="error")`` (the default) raises a
+CheckpointError naming the tensor, the recorded shape and the expected shape.
+``transposed="dequantize"`` instead dequantizes it exactly as bitsandbytes does (4-bit: in its
+stored dtype; 8-bit: float32), transposes it to (out, in) and returns it as a *dense* array under
+``m + ".weight"`` (the dense-linear key), with a warning. A square weight cannot be told apart
+and is taken as (out, in), as bitsandbytes does. A recorded shape that is neither is always an
+error.
+
+Validation: every malformed, missing or inconsistent piece raises :class:`CheckpointError`
+(a ValueError) naming the file and the tensor or key.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from interop.bnb_common import CONFIG_FILE, _is_int, _is_num, expected_linear_shape, read_config
+from interop.errors import CheckpointError
+from interop.safetensors_io import open_checkpoint
+from jqlora.quant import Int8Weight, Weight4bit, dequantize
+from jqlora.quant.tables import BLOCKSIZES_4BIT, NESTED_BLOCKSIZE, QUANT_TYPES, code_4bit, dynamic_map
+from jqlora.quant.weights import STORED_DTYPES
+
+WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
+_FOURBIT_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+_QS_PREFIX = "quant_state."
+_QS_FIELDS = ("quant_type", "blocksize", "dtype", "shape")
+_NESTED_FIELDS = ("nested_blocksize", "nested_dtype", "nested_offset")
+
+
+# ------------------------------------------------------------------------------------------
+# small helpers
+
+
+class _Ctx:
+    """Where we are: builds errors that name the file and the tensor."""
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+
+    def fail(self, key: str, msg: str) -> CheckpointError:
+        try:
+            where = self.ckpt.file_of(key)
+        except CheckpointError:
+            where = self.ckpt.root
+        return CheckpointError(f"{where}: tensor {key!r}: {msg}")
+
+
+def _flag(qc: dict, name: str):
+    v = qc.get(name, qc.get("_" + name))
+    return v if isinstance(v, bool) else None
+
+
+def _quant_config(config: dict, path: Path, example_key: str, kinds: set[str]) -> dict:
+    cfg_path = path / CONFIG_FILE
+    qc = config.get("quantization_config")
+    if qc is None:
+        raise CheckpointError(f"{cfg_path}: no quantization_config, but the checkpoint holds bitsandbytes-quantized "
+                              f"tensors (e.g. {example_key!r})")
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{cfg_path}: quantization_config is a {type(qc).__name__}, expected an object")
+    method = qc.get("quant_method")
+    if method != "bitsandbytes":
+        raise CheckpointError(f"{cfg_path}: quantization_config.quant_method is {method!r}, expected 'bitsandbytes' "
+                              f"(the checkpoint holds bitsandbytes tensors, e.g. {example_key!r})")
+    if "4bit" in kinds and _flag(qc, "load_in_4bit") is False and _flag(qc, "load_in_8bit") is True:
+        raise CheckpointError(f"{cfg_path}: quantization_config says load_in_8bit but the checkpoint holds 4-bit "
+                              f"tensors (e.g. {example_key!r})")
+    if "int8" in kinds and _flag(qc, "load_in_8bit") is False and _flag(qc, "load_in_4bit") is True:
+        raise CheckpointError(f"{cfg_path}: quantization_config says load_in_4bit but the checkpoint holds 8-bit "
+                              f"tensors (e.g. {example_key!r})")
+    thr = qc.get("llm_int8_threshold", 6.0)
+    if not _is_num(thr):
+        raise CheckpointError(f"{cfg_path}: quantization_config.llm_int8_threshold is {thr!r}, expected a number")
+    return qc
+
+
+def _check_shape(ctx, config, module, key, recorded, transposed) -> bool:
+    """True if the weight is stored transposed and should be dequantized (transposed='dequantize')."""
+    expected = expected_linear_shape(config, module)
+    recorded = tuple(recorded)
+    if expected is None or recorded == expected:
+        return False
+    if recorded == expected[::-1]:
+        if transposed == "dequantize":
+            warnings.warn(f"{module}: quantized transposed (recorded shape {recorded}, expected {expected}); "
+                          "loading it dequantized and transposed as a dense weight", stacklevel=3)
+            return True
+        raise ctx.fail(key, f"recorded shape {list(recorded)} is the transpose of the expected (out, in) shape "
+                            f"{list(expected)} for {module!r}: the weight was quantized transposed (blocks run "
+                            "along the wrong axis, so it cannot be relabelled). Re-quantize it from the (out, in) "
+                            "weight, or load with transposed='dequantize' to get it as a dense weight.")
+    raise ctx.fail(key, f"recorded shape {list(recorded)} does not match the expected (out, in) shape "
+                        f"{list(expected)} for {module!r} (from config.json), nor its transpose")
+
+
+# ------------------------------------------------------------------------------------------
+# loading
+
+
+def _get(ctx, key, *, dtypes=None, shape=None, what=None):
+    """Read one tensor (owned numpy copy) with dtype/shape checks that name it."""
+    if key not in ctx.ckpt:
+        raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {key!r}" + (f" ({what})" if what else ""))
+    info = ctx.ckpt.info(key)
+    if dtypes is not None and info.dtype not in dtypes:
+        raise ctx.fail(key, f"dtype {info.dtype}, expected {' or '.join(dtypes)}")
+    if shape is not None and info.shape != tuple(shape):
+        raise ctx.fail(key, f"shape {list(info.shape)}, expected {list(shape)}" + (f" ({what})" if what else ""))
+    return ctx.ckpt.get(key, copy=True)
+
+
+def _parse_quant_state(ctx, key: str, qt_from_key: str) -> dict:
+    raw = _get(ctx, key, dtypes=("U8",))
+    if raw.ndim != 1:
+        raise ctx.fail(key, f"shape {list(raw.shape)}, expected a 1-D uint8 tensor of JSON bytes")
+    try:
+        state = json.loads(raw.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ctx.fail(key, f"quant_state is not valid UTF-8 JSON ({e})") from e
+    if not isinstance(state, dict):
+        raise ctx.fail(key, f"quant_state JSON is a {type(state).__name__}, expected an object")
+    unknown = sorted(set(state) - set(_QS_FIELDS) - set(_NESTED_FIELDS))
+    if unknown:
+        raise ctx.fail(key, f"quant_state has unknown fields {unknown}")
+    missing = [f for f in _QS_FIELDS if f not in state]
+    if missing:
+        raise ctx.fail(key, f"quant_state is missing fields {missing}")
+    qt, bs, dt, shape = (state[f] for f in _QS_FIELDS)
+    if not isinstance(qt, str) or qt not in QUANT_TYPES:
+        raise ctx.fail(key, f"unknown quant_type {qt!r}; expected one of {list(QUANT_TYPES)}")
+    if qt != qt_from_key:
+        raise ctx.fail(key, f"quant_type {qt!r} in the JSON contradicts the key suffix bitsandbytes__{qt_from_key}")
+    if not _is_int(bs):
+        raise ctx.fail(key, f"blocksize {bs!r} is not an integer")
+    if bs not in BLOCKSIZES_4BIT:
+        raise ctx.fail(key, f"blocksize {bs} not allowed; expected one of {list(BLOCKSIZES_4BIT)}")
+    if not isinstance(dt, str) or dt not in STORED_DTYPES:
+        raise ctx.fail(key, f"dtype {dt!r}; expected one of {list(STORED_DTYPES)}")
+    if not isinstance(shape, list) or not shape or not all(_is_int(d) and d > 0 for d in shape):
+        raise ctx.fail(key, f"shape {shape!r} is not a non-empty list of positive integers")
+    present = [f for f in _NESTED_FIELDS if f in state]
+    if present:
+        if len(present) != len(_NESTED_FIELDS):
+            raise ctx.fail(key, f"nested quant_state fields partially present: has {present}, missing "
+                                f"{[f for f in _NESTED_FIELDS if f not in state]}")
+        nbs, ndt, off = (state[f] for f in _NESTED_FIELDS)
+        if not _is_int(nbs) or nbs != NESTED_BLOCKSIZE:
+            raise ctx.fail(key, f"nested_blocksize {nbs!r}; only {NESTED_BLOCKSIZE} is supported (as in bitsandbytes)")
+        if ndt != "float32":
+            raise ctx.fail(key, f"nested_dtype {ndt!r}; expected 'float32'")
+        if not _is_num(off):
+            raise ctx.fail(key, f"nested_offset {off!r} is not a finite number")
+    return state
+
+
+def _parse_4bit(ctx, module: str, parts: dict[str, str]) -> dict:
+    """Validate the quant_state JSON and which siblings exist; returns the facts _build_4bit needs."""
+    wkey = module + ".weight"
+    qs_parts = [p for p in parts if p.startswith(_QS_PREFIX)]
+    if not qs_parts:
+        raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {wkey + '.quant_state.bitsandbytes__<nf4|fp4>'!r} "
+                              f"(4-bit siblings {sorted(parts.values())} are present)")
+    if len(qs_parts) > 1:
+        raise ctx.fail(parts[qs_parts[0]], f"more than one quant_state tensor for {module!r}: "
+                                           f"{sorted(parts[p] for p in qs_parts)}")
+    qs_key = parts[qs_parts[0]]
+    suffix = qs_parts[0][len(_QS_PREFIX):]
+    if not suffix.startswith("bitsandbytes__"):
+        raise ctx.fail(qs_key, "unknown quant_state key; expected quant_state.bitsandbytes__nf4 or __fp4")
+    qt_from_key = suffix[len("bitsandbytes__"):]
+    if qt_from_key not in QUANT_TYPES:
+        raise ctx.fail(qs_key, f"unknown quant_type {qt_from_key!r} in the key; expected one of {list(QUANT_TYPES)}")
+    state = _parse_quant_state(ctx, qs_key, qt_from_key)
+    qt, bs, stored, shape = state["quant_type"], state["blocksize"], state["dtype"], tuple(state["shape"])
+    nested_fields = "nested_blocksize" in state
+    nested_tensors = [p for p in ("nested_absmax", "nested_quant_map") if p in parts]
+    if (nested_tensors and not nested_fields) or (nested_fields and len(nested_tensors) != 2):
+        have = sorted([parts[p] for p in nested_tensors] + [f"{qs_key}:{f}" for f in _NESTED_FIELDS if f in state])
+        need = sorted([f"{wkey}.{p}" for p in ("nested_absmax", "nested_quant_map") if p not in parts]
+                      + [f"{qs_key}:{f}" for f in _NESTED_FIELDS if f not in state])
+        raise ctx.fail(qs_key, f"nested (double) quantization partially present for {module!r}: has {have}, "
+                               f"missing {need}")
+    nested = nested_fields
+    for p in ("absmax", "quant_map"):
+        if p not in parts:
+            raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {wkey + '.' + p!r} (4-bit module {module!r})")
+    n = math.prod(shape)
+    nb = -(-n // bs)
+    npacked = (n + 1) // 2
+    return dict(module=module, wkey=wkey, qs_key=qs_key, qt=qt, bs=bs, stored=stored, shape=shape,
+                nested=nested, n=n, nb=nb, npacked=npacked, state=state)
+
+
+def _build_4bit(ctx, s: dict, put) -> Weight4bit:
+    wkey, bs, n, nb, npacked = s["wkey"], s["bs"], s["n"], s["nb"], s["npacked"]
+    if wkey not in ctx.ckpt:
+        raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {wkey!r} (packed 4-bit codes of {s['module']!r})")
+    info = ctx.ckpt.info(wkey)
+    if not (len(info.shape) == 1 or len(info.shape) == 2 and info.shape[1] == 1):
+        raise ctx.fail(wkey, f"packed 4-bit weight has shape {list(info.shape)}; bitsandbytes stores a column "
+                             "((n + 1) // 2, 1)")
+    packed = ctx.ckpt.get(wkey, copy=True).reshape(-1).view(np.uint8)
+    if packed.shape[0] != npacked:
+        raise ctx.fail(wkey, f"packed length {packed.shape[0]} bytes != (n + 1) // 2 = {npacked} for shape "
+                             f"{list(s['shape'])} (n = {n})")
+    akey = wkey + ".absmax"
+    adtype = "U8" if s["nested"] else "F32"
+    absmax = _get(ctx, akey, dtypes=(adtype,))
+    if absmax.shape != (nb,):
+        raise ctx.fail(akey, f"absmax length {list(absmax.shape)} != ceil(n / blocksize) = ceil({n} / {bs}) = {nb}")
+    qkey = wkey + ".quant_map"
+    qmap = _get(ctx, qkey, dtypes=("F32",), shape=(16,))
+    if not np.array_equal(qmap, code_4bit(s["qt"])):
+        raise ctx.fail(qkey, f"quant_map differs from the standard {s['qt']} table")
+    kw = {}
+    if s["nested"]:
+        ng = -(-nb // NESTED_BLOCKSIZE)
+        nkey, nmkey = wkey + ".nested_absmax", wkey + ".nested_quant_map"
+        nabs = _get(ctx, nkey, dtypes=("F32",))
+        if nabs.shape != (ng,):
+            raise ctx.fail(nkey, f"nested_absmax length {list(nabs.shape)} != ceil(nblocks / 256) = {ng}")
+        nmap = _get(ctx, nmkey, dtypes=("F32",), shape=(256,))
+        if not np.array_equal(nmap, dynamic_map()):
+            raise ctx.fail(nmkey, "nested_quant_map differs from bitsandbytes' 8-bit dynamic map")
+        state = s["state"]
+        kw = dict(nested_absmax=put(nabs), nested_code=put(nmap),
+                  offset=put(np.asarray(state["nested_offset"], np.float32)))
+    q = Weight4bit(packed=put(packed), absmax=put(absmax), code=put(qmap), shape=s["shape"], quant_type=s["qt"],
+                   blocksize=bs, stored_dtype=s["stored"], **kw)
+    try:
+        return q.validate(s["module"])
+    except ValueError as e:
+        raise ctx.fail(wkey, str(e)) from e
+
+
+def _load_int8(ctx, module: str, parts: dict[str, str], threshold: float, put) -> Int8Weight:
+    wkey, skey, fkey = module + ".weight", module + ".SCB", module + ".weight_format"
+    if wkey not in ctx.ckpt:
+        raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {wkey!r} (int8 weight of {module!r}; "
+                              f"siblings {sorted(parts.values())} are present)")
+    if skey not in ctx.ckpt:
+        raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {skey!r} (row scales of the int8 weight {wkey!r})")
+    if fkey in ctx.ckpt:
+        info = ctx.ckpt.info(fkey)
+        if info.dtype not in ("U8", "I8", "I16", "I32", "I64", "U16", "U32", "U64") or math.prod(info.shape) != 1:
+            raise ctx.fail(fkey, f"weight_format must be one integer, got {info.dtype} {list(info.shape)}")
+        fmt = int(ctx.ckpt.get(fkey).reshape(-1)[0])
+        if fmt != 0:
+            name = WEIGHT_FORMATS.get(fmt, "unknown")
+            raise ctx.fail(fkey, f"weight_format {fmt} ({name}) is not supported; only 0 (row-major) is")
+    winfo = ctx.ckpt.info(wkey)
+    if winfo.dtype != "I8" or len(winfo.shape) != 2:
+        raise ctx.fail(wkey, f"8-bit weight is {winfo.dtype} {list(winfo.shape)}, expected int8 (out, in)")
+    scb = _get(ctx, skey, dtypes=("F32",))
+    if scb.shape != (winfo.shape[0],):
+        raise ctx.fail(skey, f"SCB shape {list(scb.shape)} != ({winfo.shape[0]},), the rows of {wkey!r} "
+                             f"{list(winfo.shape)}")
+    cb = ctx.ckpt.get(wkey, copy=True)
+    q = Int8Weight(cb=put(cb), scb=put(scb), threshold=float(threshold))
+    try:
+        return q.validate(module)
+    except ValueError as e:
+        raise ctx.fail(wkey, str(e)) from e
+
+
+def _classify(keys):
+    """Split tensor keys into 4-bit module parts, int8 module parts and the rest."""
+    fourbit: dict[str, dict[str, str]] = {}
+    int8: dict[str, dict[str, str]] = {}
+    for key in keys:
+        if ".weight." in key or key.startswith("weight."):
+            m, _, rest = key.rpartition(".weight.") if ".weight." in key else ("", "", key[len("weight."):])
+            if rest in _FOURBIT_PARTS or rest.startswith(_QS_PREFIX):
+                fourbit.setdefault(m, {})[rest] = key
+                continue
+        for suffix, part in ((".SCB", "SCB"), (".weight_format", "weight_format")):
+            if key.endswith(suffix):
+                int8.setdefault(key[: -len(suffix)], {})[part] = key
+                break
+    return fourbit, int8
+
+
+def load_bnb_checkpoint(path, *, transposed: str = "error", device=None) -> tuple[dict, dict]:
+    """Load a (bitsandbytes-quantized or plain) HF checkpoint directory into JAX.
+
+    Returns ``(params, config)``: config is the parsed config.json; params follows the key scheme
+    in the module docstring (quantized weights by module name, everything else by full key).
+    Tensors are read one at a time and ``jax.device_put`` (to `device`, default: JAX's default
+    device) as read; no torch needed. transposed: "error" (default) or "dequantize"; see the
+    module docstring. Raises CheckpointError on anything malformed or inconsistent.
+    """
+    if transposed not in ("error", "dequantize"):
+        raise ValueError(f"transposed must be 'error' or 'dequantize', got {transposed!r}")
+    path = Path(path)
+    config = read_config(path)
+    with open_checkpoint(path) as ckpt:
+        ctx = _Ctx(ckpt)
+        keys = ckpt.keys()
+        fourbit, int8 = _classify(keys)
+        both = sorted(set(fourbit) & set(int8))
+        if both:
+            raise ctx.fail(both[0] + ".SCB", f"module {both[0]!r} has both 4-bit and 8-bit tensors")
+        if fourbit or int8:
+            example = next(iter((fourbit or int8).values()))
+            kinds = {"4bit"} if fourbit else set()
+            kinds |= {"int8"} if int8 else set()
+            qc = _quant_config(config, path, next(iter(example.values())), kinds)
+        else:
+            qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else {}
+
+        def put(arr):
+            return jax.device_put(arr, device)
+
+        params: dict = {}
+        claimed = set()
+        for m in sorted(fourbit):
+            parts = fourbit[m]
+            s = _parse_4bit(ctx, m, parts)
+            dense_t = _check_shape(ctx, config, m, s["qs_key"], s["shape"], transposed)
+            q = _build_4bit(ctx, s, put)
+            if dense_t:
+                params[m + ".weight"] = dequantize(q, jnp.dtype(q.stored_dtype)).T
+            else:
+                params[m] = q
+            claimed.update(parts.values())
+            claimed.add(m + ".weight")
+        threshold = float(qc.get("llm_int8_threshold", 6.0)) if qc else 6.0
+        for m in sorted(int8):
+            parts = int8[m]
+            dense_t = m + ".weight" in ckpt and _check_shape(ctx, config, m, m + ".weight",
+                                                             ckpt.info(m + ".weight").shape, transposed)
+            q = _load_int8(ctx, m, parts, threshold, put)
+            if dense_t:
+                params[m + ".weight"] = dequantize(q, jnp.float32).T
+            else:
+                params[m] = q
+            claimed.update(parts.values())
+            claimed.add(m + ".weight")
+        for key in sorted(k for k in keys if k not in claimed):
+            info = ckpt.info(key)
+            if key.endswith(".weight") and qc:
+                if info.dtype == "I8" and len(info.shape) == 2 and _flag(qc, "load_in_8bit"):
+                    raise ctx.fail(key, f"int8 weight without its sibling {key[:-len('.weight')] + '.SCB'!r}")
+                if (info.dtype == "U8" and len(info.shape) == 2 and info.shape[1] == 1
+                        and _flag(qc, "load_in_4bit")):
+                    raise ctx.fail(key, "looks like packed 4-bit codes but has no quant_state / absmax / quant_map "
+                                        "siblings")
+            params[key] = put(ckpt.get(key, copy=True))
+    return params, config
