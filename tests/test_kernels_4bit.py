@@ -36,6 +36,8 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
 _FP4_POS = np.array([0, 1 / 192, 2 / 3, 1, 1 / 3, 1 / 2, 1 / 6, 1 / 4], dtype=np.float64)
 FP4 = np.concatenate([_FP4_POS, -_FP4_POS]).astype(np.float32)
 TABLES = {"nf4": NF4, "fp4": FP4}
+# On a GPU the correctness tests run the compiled kernels; on CPU, Pallas interpret mode.
+INTERPRET = jax.default_backend() != "gpu"
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 MY_VARIANTS = dq_mod.VARIANTS + mm_mod.VARIANTS + t_mod.VARIANTS + sm_mod.VARIANTS
@@ -96,7 +98,7 @@ def check_forward(fn, m, n, k, bs, dtype, table, seed=0, **kw):
     packed, absmax = make_weight(seed, n, k, bs)
     code = jnp.asarray(TABLES[table])
     x = make_x(seed + 1, (m, k), dtype)
-    got = fn(x, packed, absmax, code, blocksize=bs, interpret=True, **kw)
+    got = fn(x, packed, absmax, code, blocksize=bs, interpret=INTERPRET, **kw)
     want = matmul_4bit_reference(x, packed, absmax, code, blocksize=bs,
                                  out_dtype=kw.get("out_dtype"))
     w_c = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=dtype)
@@ -107,7 +109,7 @@ def check_backward(fn, m, n, k, bs, dtype, table, seed=0, **kw):
     packed, absmax = make_weight(seed, n, k, bs)
     code = jnp.asarray(TABLES[table])
     dy = make_x(seed + 2, (m, n), dtype)
-    got = fn(dy, packed, absmax, code, blocksize=bs, interpret=True, **kw)
+    got = fn(dy, packed, absmax, code, blocksize=bs, interpret=INTERPRET, **kw)
     want = matmul_4bit_t_reference(dy, packed, absmax, code, blocksize=bs,
                                    out_dtype=kw.get("out_dtype"))
     w_c = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=dtype)
@@ -196,7 +198,7 @@ def test_dequantize_kernel_bit_exact(n, k, bs, out, table, method):
     packed, absmax = make_weight(11, n, k, bs)
     code = jnp.asarray(TABLES[table])
     got = dequantize_4bit(packed, absmax, code, blocksize=bs, out_dtype=DTYPES[out],
-                          interpret=True, method=method)
+                          interpret=INTERPRET, method=method)
     want = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=DTYPES[out])
     assert got.shape == (n, k) and got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
@@ -303,17 +305,17 @@ def test_property_random_shapes(name, m, n, k_blocks, bs, dt, table, seed):
         if v.name != name or not v.supports(m, n, k, bs):
             continue
         if v.op == "dequantize_4bit":
-            got = v.fn(packed, absmax, code, blocksize=bs, out_dtype=dtype, interpret=True)
+            got = v.fn(packed, absmax, code, blocksize=bs, out_dtype=dtype, interpret=INTERPRET)
             np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
                                           np.asarray(w_c).view(np.uint8))
         elif v.op == "matmul_4bit":
             x = make_x(seed + 1, (m, k), dtype)
-            got = v.fn(x, packed, absmax, code, blocksize=bs, out_dtype=dtype, interpret=True)
+            got = v.fn(x, packed, absmax, code, blocksize=bs, out_dtype=dtype, interpret=INTERPRET)
             want = v.reference(x, packed, absmax, code, blocksize=bs, out_dtype=dtype)
             assert_matmul_close(got, want, scale_fwd(x, w_c), v.name)
         elif v.op == "matmul_4bit_t":
             dy = make_x(seed + 2, (m, n), dtype)
-            got = v.fn(dy, packed, absmax, code, blocksize=bs, out_dtype=dtype, interpret=True)
+            got = v.fn(dy, packed, absmax, code, blocksize=bs, out_dtype=dtype, interpret=INTERPRET)
             want = v.reference(dy, packed, absmax, code, blocksize=bs, out_dtype=dtype)
             assert_matmul_close(got, want, scale_bwd(dy, w_c), v.name)
 
