@@ -5,8 +5,8 @@ What is compared (names in the report):
 
   embed            the token embeddings (input of layer 0)
   layer.N          the output hidden state of decoder layer N (torch: a forward hook on
-                   `model.layers[N]`; JAX: the output of `model.model.layers[N]`, captured while the
-                   real `CausalLM.__call__` runs, so the JAX side is exactly the production forward)
+                   `model.layers[N]`; JAX: decoder layer N's output as `CausalLM.__call__(...,
+                   return_states=True)` returns it, so the JAX side is the production forward)
   norm             the final RMSNorm output
   logits           the model output
 
@@ -24,7 +24,6 @@ activations + fp16 outliers) is compared against jqlora's `int8_numerics="llm_in
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
@@ -151,25 +150,6 @@ def torch_states(path, ids: np.ndarray, *, adapter=None, dtype: str = "float32",
 
 
 # ---------------------------------------------------------------------------------------------- JAX
-@contextlib.contextmanager
-def _capture_layers(store: list):
-    """Record every DecoderLayer output (in call order) while the model's own forward runs."""
-    from jqlora.models import DecoderLayer
-
-    orig = DecoderLayer.__call__
-
-    def wrapped(self, *a, **kw):
-        res = orig(self, *a, **kw)
-        store.append(res[0] if isinstance(res, tuple) else res)
-        return res
-
-    DecoderLayer.__call__ = wrapped
-    try:
-        yield
-    finally:
-        DecoderLayer.__call__ = orig
-
-
 def jax_states(model, ids: np.ndarray) -> dict:
     """Same keys as `torch_states`, from a jqlora CausalLM (eval mode, no cache)."""
     import jax
@@ -177,24 +157,14 @@ def jax_states(model, ids: np.ndarray) -> dict:
     from flax import nnx
 
     def fwd(m, x):
-        layers: list = []
-        with _capture_layers(layers):
-            logits = m(x)
-        dtype = m.compute_dtype
-        embed = m.model.embed_tokens(x, dtype)
-        normed = m.model.norm(layers[-1]) if layers else None
-        return embed, layers, normed, logits
+        logits, states = m(x, return_states=True)
+        return states["embed"], states["layers"], states["norm"], logits
 
     model.eval()  # no LoRA dropout (the caller's model stays in eval mode)
-    remat = getattr(model, "remat", False)
-    model.remat = False  # captured layer outputs must not come from inside a remat trace
-    try:
-        embed, layers, normed, logits = nnx.jit(fwd)(model, jnp.asarray(ids, jnp.int32))
-    finally:
-        model.remat = remat
+    embed, layers, normed, logits = nnx.jit(fwd)(model, jnp.asarray(ids, jnp.int32))
     n = len(model.model.layers)
     if len(layers) != n:
-        raise RuntimeError(f"captured {len(layers)} decoder-layer outputs, the model has {n} layers")
+        raise RuntimeError(f"got {len(layers)} decoder-layer outputs, the model has {n} layers")
     to_np = lambda a: np.asarray(jax.device_get(a.astype(jnp.float32)))  # noqa: E731
     out = {"embed": to_np(embed)}
     for i, h in enumerate(layers):

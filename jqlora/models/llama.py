@@ -224,7 +224,9 @@ class CausalLM(nnx.Module):
       segment_ids is given, else cache.index + arange(T)); segment_ids (B, T) int for packed
       sequences: a token attends causally only to tokens of its own segment, 0 = padding.
       Returns logits (B, T, vocab) in the compute dtype (as HF; upcast in the loss), or
-      (logits, new_cache) when a `KVCache` is given.
+      (logits, new_cache) when a `KVCache` is given, or (logits, states) with
+      `return_states=True` (no cache): states = {"embed": x0, "layers": (h_1..h_L), "norm": ...},
+      each decoder layer's output, for layer-by-layer comparisons with another implementation.
     compute_dtype: the dtype of every matmul and of the activations (norms and softmax run in
       float32). It is the caller's choice, never the checkpoint's stored dtype.
     remat: False, True (= nothing_saveable), a policy name in REMAT_POLICIES, or a
@@ -248,8 +250,11 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.init(self.config, batch, max_len, self.compute_dtype)
 
-    def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None):
+    def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None,
+                 return_states: bool = False):
         cfg, dtype = self.config, self.compute_dtype
+        if return_states and cache is not None:
+            raise ValueError("return_states is for full-sequence forwards, not cached decoding")
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {input_ids.shape}")
@@ -272,6 +277,7 @@ class CausalLM(nnx.Module):
                 positions = q_slots
         cos, sin = rope_cos_sin(cfg, jnp.asarray(positions), dtype)
         x = self.model.embed_tokens(input_ids, dtype)
+        states = {"embed": x, "layers": []}
 
         aux = (cos, sin, q_slots, k_slots, q_seg, k_seg)
 
@@ -284,6 +290,7 @@ class CausalLM(nnx.Module):
         for i, layer in enumerate(self.model.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             x, new_kv = run_layer(layer, x, kv, aux, index)
+            states["layers"].append(x)
             if cache is not None:
                 new_k.append(new_kv[0])
                 new_v.append(new_kv[1])
@@ -292,6 +299,8 @@ class CausalLM(nnx.Module):
             logits = self.model.embed_tokens.attend(x, dtype)
         else:
             logits = self.lm_head(x)
+        if return_states:
+            return logits, {"embed": states["embed"], "layers": tuple(states["layers"]), "norm": x}
         if cache is None:
             return logits
         return logits, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=k_seg, index=index + t)
