@@ -48,7 +48,7 @@ def flops_per_token(c: dict, seq: int) -> float:
     return 2 * (2 * n + head) + 3 * attn
 
 
-def run_jax(shape: str, steps: int, seq: int, backend: str) -> dict:
+def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "einsum") -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -79,7 +79,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str) -> dict:
         params[f"model.layers.{layer}.post_attention_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
     jax.block_until_ready(params)
     model = from_params(params, c, lora=LoraConfig(rank=16, alpha=32, target_modules=TARGETS),
-                        compute_dtype=jnp.bfloat16, remat=True, backend=backend)
+                        compute_dtype=jnp.bfloat16, remat=True, backend=backend, attention=attention)
     del params
     opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000), wrt=nnx.LoRAParam)
     rng = np.random.default_rng(0)
@@ -97,7 +97,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str) -> dict:
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
     stats = jax.devices()[0].memory_stats() or {}
-    return {"side": "jqlora", "backend": backend, "step_s": step_s, "tokens_per_s": seq / step_s,
+    return {"side": "jqlora", "backend": backend, "attention": attention, "step_s": step_s, "tokens_per_s": seq / step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "compile_s": compile_s, "losses": losses}
 
 
@@ -163,9 +163,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--attention", default="einsum", choices=["einsum", "xla", "cudnn"])
     a = p.parse_args(argv)
     if a.side == "jax":
-        res = run_jax(a.shape, a.steps, a.seq, a.backend)
+        res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention)
     else:
         res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch")
     c = hf_config(a.shape)

@@ -422,3 +422,38 @@ def test_config_and_loader_errors(tmp_path):
         models.from_params(extra, TINY_LLAMA)
     with pytest.raises(ValueError, match="matched no linear"):
         models.from_params(params, TINY_LLAMA, lora=lora.LoraConfig(target_modules=("c_attn",)))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # sliding window + GQA; head_dim 32 + qk-norm
+def test_fused_attention_path_matches_einsum(arch, saved):
+    """attention="xla" goes through jax.nn.dot_product_attention (the call that runs cuDNN flash
+    attention with "cudnn" on a GPU): same logits and LoRA gradients as the einsum path, for plain
+    causal input and for packed segments."""
+    _, d = saved[arch]
+    params, config = _load(d)
+    build = lambda attn: models.from_params(params, config, compute_dtype=jnp.float32, remat=True, attention=attn,
+                                            lora=lora.LoraConfig(rank=2), rngs=nnx.Rngs(0))
+    ref, fused = build("einsum"), build("xla")
+    for m in (ref, fused):
+        for _, layer in lora.named_linears(m):
+            if layer.has_lora:
+                layer.lora_B.set_value(jnp.full(layer.lora_B.shape, 0.05))
+    ids = jnp.asarray(_ids())
+    seg = np.ones((2, T), np.int32)
+    seg[0, 10:] = 2
+    seg[1, 20:] = 0  # padding
+    real = seg > 0
+    for kw in ({}, {"segment_ids": jnp.asarray(seg)}):
+        y_ref, y = nnx.jit(lambda m, x: m(x, **kw))(ref, ids), nnx.jit(lambda m, x: m(x, **kw))(fused, ids)
+        keep = real if kw else np.ones_like(real)
+        np.testing.assert_allclose(np.asarray(y)[keep], np.asarray(y_ref)[keep], rtol=1e-5, atol=1e-4)
+
+    def grads(m):
+        loss = lambda m: jnp.mean(m(ids, segment_ids=jnp.asarray(seg)).astype(jnp.float32)[real] ** 2)
+        return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
+
+    for g_ref, g in zip(jax.tree_util.tree_leaves(grads(ref)), jax.tree_util.tree_leaves(grads(fused))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="unknown attention"):
+        models.from_params(params, config, attention="flash")

@@ -29,6 +29,8 @@ from jqlora.models.config import ModelConfig, rope_attention_scaling, rope_inv_f
 
 _MASK_VALUE = float(np.finfo(np.float32).min)
 
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+
 REMAT_POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
@@ -121,7 +123,8 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(norms["q_norm"], config.rms_norm_eps)
             self.k_norm = RMSNorm(norms["k_norm"], config.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, kv_cache=None, index=None):
+    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, kv_cache=None, index=None,
+                 impl: str = "einsum", plain_causal: bool = False):
         cfg = self.config
         b, t, _ = x.shape
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -140,6 +143,8 @@ class Attention(nnx.Module):
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
             new_kv = (ck, cv)
             k, v = ck.astype(x.dtype), cv.astype(x.dtype)
+        if impl != "einsum" and kv_cache is None:
+            return self.o_proj(self._fused(q, k, v, q_slots, k_slots, q_seg, k_seg, impl, plain_causal)), None
         g = h // kvh
         qg = q.reshape(b, t, kvh, g, d)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
@@ -149,6 +154,19 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * d)
         return self.o_proj(out), new_kv
+
+    def _fused(self, q, k, v, q_slots, k_slots, q_seg, k_seg, impl, plain_causal):
+        """jax.nn.dot_product_attention: cuDNN flash attention on a GPU ("cudnn"), or its XLA
+        version ("xla"), which tests use to check this wiring on CPU. Without packing, a plain
+        causal mask (nothing materialized); with packing, the same boolean mask as the einsum path.
+        Query head n uses kv head n // (heads / kv_heads), like HF's repeat_kv."""
+        b, t, h, d = q.shape
+        window = None if self.window is None else (self.window - 1, 0)
+        mask = None if plain_causal else attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None]
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=plain_causal, scale=d ** -0.5,
+                                           local_window_size=window if plain_causal else None,
+                                           implementation=impl)
+        return out.reshape(b, t, h * d)
 
 
 class MLP(nnx.Module):
@@ -185,9 +203,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(
             src.tensor(f"{prefix}.post_attention_layernorm.weight", (c.hidden_size,)), c.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, kv_cache=None, index=None):
+    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, kv_cache=None, index=None,
+                 impl: str = "einsum", plain_causal: bool = False):
         a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, q_slots, k_slots, q_seg, k_seg,
-                                   kv_cache, index)
+                                   kv_cache, index, impl, plain_causal)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_kv
@@ -231,10 +250,16 @@ class CausalLM(nnx.Module):
       float32). It is the caller's choice, never the checkpoint's stored dtype.
     remat: False, True (= nothing_saveable), a policy name in REMAT_POLICIES, or a
       jax.checkpoint policy; applied per decoder layer with nnx.remat.
+    attention: "einsum" (default; scores materialized in float32), "cudnn" (cuDNN flash attention
+      through jax.nn.dot_product_attention, GPU, bf16/fp16) or "xla" (the same call's XLA
+      version). Cached decoding always uses the einsum path.
     """
 
     def __init__(self, config: ModelConfig, src: "_Source", *, compute_dtype=jnp.bfloat16, remat=False,
-                 backend: str = "auto"):
+                 backend: str = "auto", attention: str = "einsum"):
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_IMPLS}")
+        self.attention = attention
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.remat = remat
@@ -281,8 +306,11 @@ class CausalLM(nnx.Module):
 
         aux = (cos, sin, q_slots, k_slots, q_seg, k_seg)
 
+        impl = self.attention
+        plain_causal = segment_ids is None and cache is None  # static: no mask array needed
+
         def run_layer(layer, x, kv, aux, index):
-            return layer(x, *aux, kv_cache=kv, index=index)
+            return layer(x, *aux, kv_cache=kv, index=index, impl=impl, plain_causal=plain_causal)
 
         if self.remat:
             run_layer = nnx.remat(run_layer, policy=_remat_policy(self.remat), prevent_cse=True)
@@ -387,7 +415,7 @@ _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], *, lora: Optional[LoraConfig] = None,
                 compute_dtype=jnp.bfloat16, quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None,
                 remat=False, backend: str = "auto", param_dtype=None, strict: bool = True,
-                int8_numerics: str = "weight_only") -> CausalLM:
+                int8_numerics: str = "weight_only", attention: str = "einsum") -> CausalLM:
     """Build a `CausalLM` from an HF-keyed params dict (as `interop.load_bnb_checkpoint` returns).
 
     quantize: quantize dense linear weights at build time ("nf4", "fp4" with blocksize 64 and
@@ -402,7 +430,7 @@ def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], 
     cfg = ModelConfig.from_hf(config)
     src = _Source(params, quantize=quantize, compute_dtype=compute_dtype, backend=backend, param_dtype=param_dtype,
                   int8_numerics=int8_numerics)
-    model = CausalLM(cfg, src, compute_dtype=compute_dtype, remat=remat, backend=backend)
+    model = CausalLM(cfg, src, compute_dtype=compute_dtype, remat=remat, backend=backend, attention=attention)
     if strict:
         unused = [k for k in params if k not in src.used and not k.endswith(_IGNORABLE_SUFFIXES)
                   and not (cfg.tie_word_embeddings and k == "lm_head.weight")]

@@ -26,7 +26,8 @@ def _check_model_type(path: str) -> None:
 
 def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=jnp.bfloat16,
                    quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None, remat=False, *,
-                   backend: str = "auto", param_dtype=None, int8_numerics: str = "weight_only") -> CausalLM:
+                   backend: str = "auto", param_dtype=None, int8_numerics: str = "weight_only",
+                   attention: str = "einsum") -> CausalLM:
     """Load an HF folder (bitsandbytes 4-bit, bitsandbytes 8-bit, or plain safetensors) as a
     `CausalLM`. quantize ("nf4" | "fp4" | "int8") quantizes dense linear weights at load (an
     already-quantized checkpoint keeps its own format). compute_dtype is the caller's choice,
@@ -40,4 +41,5 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
     params, config = interop.load_bnb_checkpoint(path)
     ModelConfig.from_hf(config)  # fail on the architecture before building anything
     return from_params(params, config, lora=lora, compute_dtype=compute_dtype, quantize=quantize, rngs=rngs,
-                       remat=remat, backend=backend, param_dtype=param_dtype, int8_numerics=int8_numerics)
+                       remat=remat, backend=backend, param_dtype=param_dtype, int8_numerics=int8_numerics,
+                       attention=attention)
