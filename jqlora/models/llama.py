@@ -275,11 +275,20 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.init(self.config, batch, max_len, self.compute_dtype)
 
+    def lm_logits(self, h: jax.Array) -> jax.Array:
+        """Logits of final (normed) hidden states h (..., hidden): lm_head, or the tied embedding."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.attend(h, self.compute_dtype)
+        return self.lm_head(h)
+
     def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None,
-                 return_states: bool = False):
+                 return_states: bool = False, return_hidden: bool = False):
+        """See the class docstring. return_hidden=True returns the final normed hidden states
+        (B, T, hidden) instead of logits, so a loss can apply `lm_logits` chunk by chunk and never
+        hold the (B, T, vocab) logits at once."""
         cfg, dtype = self.config, self.compute_dtype
-        if return_states and cache is not None:
-            raise ValueError("return_states is for full-sequence forwards, not cached decoding")
+        if (return_states or return_hidden) and cache is not None:
+            raise ValueError("return_states / return_hidden are for full-sequence forwards, not cached decoding")
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {input_ids.shape}")
@@ -323,10 +332,9 @@ class CausalLM(nnx.Module):
                 new_k.append(new_kv[0])
                 new_v.append(new_kv[1])
         x = self.model.norm(x)
-        if self.lm_head is None:
-            logits = self.model.embed_tokens.attend(x, dtype)
-        else:
-            logits = self.lm_head(x)
+        if return_hidden:
+            return x
+        logits = self.lm_logits(x)
         if return_states:
             return logits, {"embed": states["embed"], "layers": tuple(states["layers"]), "norm": x}
         if cache is None:
