@@ -18,7 +18,7 @@ adapter in PEFT format (interop.save_peft_adapter) to --adapter-out (default <ou
 
 Settings come from, in increasing priority: the stored settings of the run (<out_dir>/
 jqlora_run.json, only with --resume), a config file (--config x.json or x.toml), and flags.
-Config file keys: `model`, `compute_dtype`, `backend`, `quantize`, `init_adapter`, `adapter_out`,
+Config file keys: `model`, `compute_dtype`, `backend`, `attention`, `quantize`, `init_adapter`, `adapter_out`,
 a `lora` table (rank, alpha, dropout, target_modules, use_rslora) and the TrainConfig fields
 (top level or in a `train` table). Example (TOML):
 
@@ -42,7 +42,7 @@ needs) and the adapter. --resume continues from the newest checkpoint with the s
 
 RUN_FILE = "jqlora_run.json"
 RUN_FORMAT = "jqlora-run"
-_TOP_KEYS = ("model", "compute_dtype", "backend", "quantize", "init_adapter", "adapter_out")
+_TOP_KEYS = ("model", "compute_dtype", "backend", "attention", "quantize", "init_adapter", "adapter_out")
 _LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "use_rslora")
 _LORA_DEFAULTS = dict(rank=16, alpha=32.0, dropout=0.0, target_modules=None, use_rslora=False)
 
@@ -100,6 +100,8 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="dtype of every matmul (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--backend", default=S, choices=("auto", "pallas", "interpret", "xla"),
                    help="qmatmul backend (default auto)")
+    g.add_argument("--attention", default=S, choices=("einsum", "xla", "cudnn"),
+                   help="attention implementation (default einsum; cudnn = cuDNN flash attention on a GPU)")
     g.add_argument("--quantize", default=S, choices=("nf4", "fp4", "int8"),
                    help="quantize a plain checkpoint's linear layers at load")
     g.add_argument("--rank", type=int, default=S, help=f"LoRA rank (default {_LORA_DEFAULTS['rank']})")
@@ -283,6 +285,7 @@ def run(args) -> int:
     record = {
         "format": RUN_FORMAT, "version": 1,
         "model": str(model_path.resolve()), "compute_dtype": compute, "backend": top.get("backend", "auto"),
+        "attention": top.get("attention", "einsum"),
         **({"quantize": top["quantize"]} if top.get("quantize") else {}),
         **({"init_adapter": str(top["init_adapter"])} if top.get("init_adapter") else {}),
         **({"adapter_out": str(top["adapter_out"])} if top.get("adapter_out") else {}),
@@ -296,7 +299,7 @@ def run(args) -> int:
         return 0
     model = models.load_causal_lm(model_path, lora=lora_cfg, compute_dtype=jnp_dtype(compute),
                                   quantize=top.get("quantize"), backend=top.get("backend", "auto"),
-                                  rngs=nnx.Rngs(config.seed))
+                                  attention=top.get("attention", "einsum"), rngs=nnx.Rngs(config.seed))
     if init is not None:
         rep = adapters.attach_adapter(model, init, where=str(top["init_adapter"]))
         print(f"initialized {len(rep['matched'])} LoRA modules from {top['init_adapter']}", file=sys.stderr)
