@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-import tempfile
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
+from interop.atomic_io import atomic_directory, write_bytes_atomic
 from interop.bnb_common import CONFIG_FILE
-from interop.safetensors_io import LazyArray, write_bytes_atomic, write_sharded_safetensors
+from interop.safetensors_io import LazyArray, write_sharded_safetensors
 from jqlora.quant import Int8Weight, Weight4bit
 from jqlora.quant.tables import NESTED_BLOCKSIZE
 
@@ -174,25 +171,8 @@ def save_bnb_checkpoint(path, params: dict, config: dict, *, max_shard_bytes: in
         cfg.pop("quantization_config", None)
     else:
         cfg["quantization_config"] = qc
-    parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
-    try:
+    with atomic_directory(target, overwrite=target.exists()) as tmp:  # emptiness/overwrite checked above
         write_bytes_atomic(tmp / CONFIG_FILE, (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode("utf-8"))
         write_sharded_safetensors(tmp, tensors, {"format": "pt"} if metadata is None else metadata,
                                   max_shard_bytes=max_shard_bytes, groups=groups)
-        if target.exists():
-            old = parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
-            os.rename(target, old)
-            try:
-                os.rename(tmp, target)
-            except BaseException:
-                os.rename(old, target)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target

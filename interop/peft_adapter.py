@@ -19,12 +19,12 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import numpy as np
+
+from interop.atomic_io import atomic_directory, atomic_path, write_text_atomic
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -83,19 +83,6 @@ def _pattern_value(patterns: Mapping, module: str, default):
     return default
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------------------------- save
 def save_peft_adapter(
     path,
@@ -135,30 +122,16 @@ def save_peft_adapter(
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise AdapterFormatError(f"{path}: exists and is not a directory")
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.tmp-", dir=parent)
-    try:
-        from safetensors.numpy import save_file
+    from safetensors.numpy import save_file
 
-        save_file(tensors, os.path.join(tmp, WEIGHTS_NAME), metadata={"format": "pt"})
-        with open(os.path.join(tmp, CONFIG_NAME), "w", encoding="utf-8") as f:
-            f.write(config_text)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(os.path.join(tmp, WEIGHTS_NAME), "rb") as f:
-            os.fsync(f.fileno())
-        if os.path.isdir(path):
-            for name in (WEIGHTS_NAME, CONFIG_NAME):
-                os.replace(os.path.join(tmp, name), os.path.join(path, name))
-            _fsync_dir(path)
-        else:
-            os.rename(tmp, path)
-            tmp = None
-        _fsync_dir(parent)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.isdir(path):  # weights first, config last, each replaced atomically
+        with atomic_path(os.path.join(path, WEIGHTS_NAME)) as tmp:
+            save_file(tensors, os.fspath(tmp), metadata={"format": "pt"})
+        write_text_atomic(os.path.join(path, CONFIG_NAME), config_text)
+    else:
+        with atomic_directory(path) as tmp:
+            save_file(tensors, os.fspath(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            (tmp / CONFIG_NAME).write_text(config_text, encoding="utf-8")
     return path
 
 

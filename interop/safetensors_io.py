@@ -13,20 +13,21 @@ the tensor.
 
 Writing produces byte-for-byte what ``safetensors.numpy.save_file`` writes (tensors laid out by
 dtype, widest first, then by name; compact JSON header padded with spaces to a multiple of 8),
-to a temporary name in the same directory, then ``os.replace``.
+to a temporary name in the same directory, then ``os.replace`` (interop.atomic_io).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
+
+from interop.atomic_io import atomic_path, write_bytes_atomic  # noqa: F401  (write_bytes_atomic re-exported)
 
 from interop.errors import CheckpointError
 
@@ -398,50 +399,23 @@ def _header_bytes(items, metadata) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
-
-
-def write_bytes_atomic(path, data: bytes):
-    """Write `data` to `path` through a temporary file in the same directory + os.replace."""
-    path = Path(path)
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_safetensors(path, tensors: Mapping[str, object], metadata: Mapping[str, str] | None = None) -> Path:
     """Write `tensors` (numpy arrays, jax arrays or LazyArray) to `path` atomically; each is
     brought to the host only while it is written. Returns the path."""
     path = Path(path)
     items = _layout(tensors)
     header = _header_bytes(items, metadata)
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(len(header).to_bytes(8, "little"))
-            f.write(header)
-            for name, x, _, shape, nbytes in items:
-                if not nbytes:
-                    continue
-                arr = _as_numpy(x)  # one tensor on the host at a time
-                if arr.shape != shape or arr.nbytes != nbytes:
-                    raise ValueError(f"tensor {name!r} changed shape while being written")
-                f.write(arr.reshape(-1).view(np.uint8).data)
-                del arr
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        for name, x, _, shape, nbytes in items:
+            if not nbytes:
+                continue
+            arr = _as_numpy(x)  # one tensor on the host at a time
+            if arr.shape != shape or arr.nbytes != nbytes:
+                raise ValueError(f"tensor {name!r} changed shape while being written")
+            f.write(arr.reshape(-1).view(np.uint8).data)
+            del arr
     return path
 
 

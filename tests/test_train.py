@@ -470,7 +470,7 @@ def test_interrupted_checkpoint_write_keeps_previous(tmp_path, monkeypatch):
     m, opt = _model_opt()
     T.save_checkpoint(tmp_path, m, opt, {"epoch": 0, "index": 1, "seed": 0}, 1)
     before = {p.name: p.read_bytes() for p in (tmp_path / "step_00000001").iterdir()}
-    real = ckpt_mod._write_file
+    real = ckpt_mod.write_bytes_atomic
     calls = []
 
     def flaky(path, data):
@@ -480,7 +480,7 @@ def test_interrupted_checkpoint_write_keeps_previous(tmp_path, monkeypatch):
             raise OSError("disk full (simulated)")
         real(path, data)
 
-    monkeypatch.setattr(ckpt_mod, "_write_file", flaky)
+    monkeypatch.setattr(ckpt_mod, "write_bytes_atomic", flaky)
     m.proj.lora.lora_a[...] = m.proj.lora.lora_a[...] + 1
     with pytest.raises(OSError, match="disk full"):
         T.save_checkpoint(tmp_path, m, opt, {"epoch": 0, "index": 2, "seed": 0}, 2)
@@ -492,7 +492,7 @@ def test_interrupted_checkpoint_write_keeps_previous(tmp_path, monkeypatch):
     m2, opt2 = _model_opt()
     assert T.restore_checkpoint(tmp_path, m2, opt2) == ({"epoch": 0, "index": 1, "seed": 0}, 1)
     # keep=2 prunes older ones only after a successful write
-    monkeypatch.setattr(ckpt_mod, "_write_file", real)
+    monkeypatch.setattr(ckpt_mod, "write_bytes_atomic", real)
     for s in (2, 3, 4):
         T.save_checkpoint(tmp_path, m, opt, None, s, keep=2)
     assert [s for s, _ in T.list_checkpoints(tmp_path)] == [3, 4]

@@ -97,12 +97,11 @@ def load_config_file(path: str | os.PathLike) -> dict:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    from interop.atomic_io import write_text_atomic  # lazily: importing interop pulls in jax
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, p)
-    return p
+    return write_text_atomic(p, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def fmt_bytes(n: float) -> str:

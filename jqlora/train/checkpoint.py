@@ -11,11 +11,12 @@ Keys are ``lora/<module path>``, ``rng/<module path>`` (``nnx.RngState``: dropou
 lacks (bfloat16, float8...) are stored as same-width unsigned ints with the real dtype in the JSON.
 No pickle anywhere.
 
-Writing is atomic: everything goes into a fresh ``.tmp-*`` directory beside the target, files and
-directory are fsynced, then the directory is renamed to ``step_XXXXXXXX`` (one ``rename``), and
-the parent is fsynced. Until that rename, the previous checkpoints are untouched; a failure midway
-removes the temp directory. Older checkpoints beyond ``keep`` are pruned only after the new one is
-in place. One writer per directory is assumed (stale ``.tmp-*`` dirs are removed on the next save).
+Writing is atomic (:func:`interop.atomic_io.atomic_directory`): everything goes into a fresh
+``.step_XXXXXXXX.tmp-*`` directory beside the target, files and directory are fsynced, then the
+directory is renamed to ``step_XXXXXXXX`` (one ``rename``), and the parent is fsynced. Until that
+rename, the previous checkpoints are untouched; a failure midway removes the temp directory. Older
+checkpoints beyond ``keep`` are pruned only after the new one is in place. One writer per
+directory is assumed (stale temp dirs are removed on the next save).
 
 Restoring validates everything (keys, shapes, dtypes, file checksum) before changing the model or
 the optimizer, and raises :class:`CheckpointError` naming the file and the offending key.
@@ -27,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from interop.atomic_io import atomic_directory, write_bytes_atomic
 
 __all__ = [
     "CheckpointError",
@@ -110,31 +112,6 @@ def _to_storable(key: str, x) -> tuple[np.ndarray, dict]:
 # files
 # ----------------------------------------------------------------------------------------------
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # e.g. platforms without directory fds
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     """Complete checkpoints (``step_*`` dirs with a state.json) under ``directory``, by step."""
     root = Path(directory)
@@ -164,8 +141,9 @@ def save_checkpoint(directory: str | os.PathLike, model, optimizer, data_state: 
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step_*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    for pattern in (".step_*.tmp-*", ".step_*.old-*", ".tmp-step_*", ".tmp-old-step_*"):  # crashed saves
+        for stale in root.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step_{int(step):08d}"
 
     arrays: dict[str, np.ndarray] = {}
@@ -180,26 +158,12 @@ def save_checkpoint(directory: str | os.PathLike, model, optimizer, data_state: 
         "extra": extra or {},
         "arrays": metas,
     }
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    old = None
-    try:
+    # re-saving a step (e.g. a resumed run) replaces the old one only once the new one is complete
+    with atomic_directory(final, overwrite=True) as tmp:
         blob = stn.save(arrays, metadata={"format": FORMAT})
-        _write_file(tmp / ARRAYS_FILE, blob)
+        write_bytes_atomic(tmp / ARRAYS_FILE, blob)
         state["arrays_sha256"] = hashlib.sha256(blob).hexdigest()
-        _write_file(tmp / STATE_FILE, json.dumps(state, indent=1, sort_keys=True, default=str).encode())
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving a step (e.g. a resumed run): move the old one aside
-            old = root / f".tmp-old-{final.name}-{os.getpid()}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not final.exists():
-            os.rename(old, final)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        write_bytes_atomic(tmp / STATE_FILE, json.dumps(state, indent=1, sort_keys=True, default=str).encode())
     if keep is not None and keep > 0:
         for _, p in list_checkpoints(root)[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
