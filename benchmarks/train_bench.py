@@ -117,7 +117,8 @@ def run_torch(shape: str, steps: int, seq: int, quantized: bool = True) -> dict:
         base = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
         base.save_pretrained(d)
         del base
-        kw = dict(torch_dtype=torch.bfloat16, device_map="cuda")
+        dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test of this code path
+        kw = dict(torch_dtype=torch.bfloat16, device_map=dev)
         if quantized:
             kw["quantization_config"] = BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -130,30 +131,34 @@ def run_torch(shape: str, steps: int, seq: int, quantized: bool = True) -> dict:
         model.enable_input_require_grads()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, task_type="CAUSAL_LM"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(0, c["vocab_size"], (1, seq), device="cuda")
-    torch.cuda.reset_peak_memory_stats()
+    ids = torch.randint(0, c["vocab_size"], (1, seq), device=dev)
+    cuda = dev == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
 
     def step():
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(out.loss)
+        return out.loss.item()
 
     t0 = time.perf_counter()
     step()
-    torch.cuda.synchronize()
+    sync()
     warm_s = time.perf_counter() - t0
     times, losses = [], []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         losses.append(step())
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
     return {"side": "torch qlora" if quantized else "torch bf16 lora", "step_s": step_s, "tokens_per_s": seq / step_s,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "warmup_s": warm_s, "losses": losses}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "warmup_s": warm_s,
+            "losses": losses}
 
 
 def main(argv=None):
