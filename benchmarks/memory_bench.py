@@ -47,7 +47,9 @@ def main(argv=None):
             h = layer(h, q)
         return jnp.sum(h.astype(jnp.float32))
 
-    g = jax.jit(jax.grad(loss))(x)
+    compiled = jax.jit(jax.grad(loss)).lower(x).compile()
+    analysis = compiled.memory_analysis()  # XLA's own plan: temp buffers of the whole fwd+bwd
+    g = compiled(x)
     jax.block_until_ready(g)
     after = dev.memory_stats() or {}
     one_dense = a.inter * a.hidden * 2
@@ -59,6 +61,7 @@ def main(argv=None):
         "peak_bytes_in_use": after.get("peak_bytes_in_use"),
         "one_dense_layer_bytes": one_dense,
         "activation_bytes_estimate": act,
+        "compiled_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
     }
     if res["peak_bytes_in_use"] and res["bytes_in_use_before"] is not None:
         growth = res["peak_bytes_in_use"] - res["bytes_in_use_before"]
