@@ -339,6 +339,11 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None) -> tupl
             qc = _quant_config(config, path, next(iter(example.values())), kinds)
         else:
             qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else {}
+            method = qc.get("quant_method")
+            if method not in (None, "bitsandbytes"):  # e.g. GPTQ/AWQ: their tensors would be misread
+                raise CheckpointError(
+                    f"{path / 'config.json'}: quantization_config.quant_method is {method!r}; jqlora reads "
+                    f"bitsandbytes-quantized or unquantized checkpoints only")
 
         def put(arr):
             return jax.device_put(arr, device)

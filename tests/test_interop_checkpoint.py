@@ -692,3 +692,18 @@ def test_public_api():
                  "CheckpointError"):
         assert hasattr(interop, name), name
     assert issubclass(CheckpointError, ValueError)
+
+
+def test_non_bitsandbytes_quantized_checkpoint_is_rejected(tmp_path):
+    """A checkpoint quantized by another method (GPTQ, AWQ, ...) is refused by name, not misread."""
+    import json
+
+    from interop.safetensors_io import write_safetensors
+
+    d = tmp_path / "gptq"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama",
+                                               "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    write_safetensors(d / "model.safetensors", {"model.norm.weight": np.ones((4,), np.float32)})
+    with pytest.raises(CheckpointError, match="'gptq'.*bitsandbytes"):
+        load_bnb_checkpoint(d)
