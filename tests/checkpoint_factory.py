@@ -37,6 +37,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 DEFAULT_CONFIG = dict(
@@ -228,3 +229,19 @@ def bnb_reference_weights(directory, impl: str = "functional") -> dict[str, torc
             m = key[: -len(".SCB")]
             out[m] = F.int8_vectorwise_dequant(tensors[m + ".weight"], tensors[key])
     return out
+
+
+def tensor_to_numpy(t: "torch.Tensor") -> np.ndarray:
+    """A torch tensor as numpy, bf16 kept as ml_dtypes.bfloat16 (numpy has no bf16)."""
+    import ml_dtypes
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def same_bits(a, b) -> bool:
+    """Same dtype, shape and bytes."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()

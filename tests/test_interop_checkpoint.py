@@ -11,7 +11,6 @@ import struct
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -55,16 +54,8 @@ def loaded(ckpt):
     return get
 
 
-def _np(t: "torch.Tensor") -> np.ndarray:
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
 
 
-def _same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def _dequant_like_bnb(q):
@@ -108,7 +99,7 @@ def test_writer_is_byte_identical_to_safetensors(tmp_path):
     with sio.open_checkpoint(tmp_path / "ref.safetensors") as c:
         assert set(c.keys()) == set(t)
         for k, v in t.items():
-            assert _same_bits(c.get(k), v), k
+            assert cf.same_bits(c.get(k), v), k
     assert sorted(os.listdir(tmp_path)) == ["mine.safetensors", "ref.safetensors"]  # no temp litter
 
 
@@ -162,7 +153,7 @@ def test_sharded_writer_and_index(tmp_path):
     assert len(files) == len(set(wm.values())) + 1
     with sio.open_checkpoint(tmp_path) as c:
         for k, v in t.items():
-            assert _same_bits(c.get(k), v)
+            assert cf.same_bits(c.get(k), v)
 
 
 # ------------------------------------------------------------------------------------------
@@ -182,20 +173,20 @@ def test_load_matches_bitsandbytes(ckpt, loaded, name):
         q = params[m]
         assert isinstance(q, kind)
         assert q.shape == tuple(w.shape)
-        assert _same_bits(_dequant_like_bnb(q), _np(w)), m
+        assert cf.same_bits(_dequant_like_bnb(q), cf.tensor_to_numpy(w)), m
     if name == "int8":
         for m in ref:
             assert params[m].threshold == 6.0
-            assert _same_bits(params[m].cb, _np(tensors[m + ".weight"]))
+            assert cf.same_bits(params[m].cb, cf.tensor_to_numpy(tensors[m + ".weight"]))
     else:
         for m in ref:
-            assert np.asarray(params[m].packed).tobytes() == _np(tensors[m + ".weight"]).tobytes()
+            assert np.asarray(params[m].packed).tobytes() == cf.tensor_to_numpy(tensors[m + ".weight"]).tobytes()
     # every other tensor is a jax array under its full key, equal bit for bit
     plain = {k for k in params if k not in ref}
     quantized_keys = {k for k in tensors for m in ref if k.startswith(m + ".weight") or k == m + ".SCB"}
     assert plain == set(tensors) - quantized_keys
     for k in plain:
-        assert _same_bits(params[k], _np(tensors[k])), k
+        assert cf.same_bits(params[k], cf.tensor_to_numpy(tensors[k])), k
 
 
 def test_load_plain_checkpoint(tmp_path_factory):
@@ -206,7 +197,7 @@ def test_load_plain_checkpoint(tmp_path_factory):
     assert set(params) == set(tensors)
     for k, t in tensors.items():
         assert params[k].dtype == jnp.bfloat16
-        assert _same_bits(params[k], _np(t)), k
+        assert cf.same_bits(params[k], cf.tensor_to_numpy(t)), k
 
 
 @pytest.mark.parametrize("name", ["nf4", "fp4", "int8"])
@@ -234,14 +225,14 @@ def test_round_trip_sharded_and_quant_storage(ckpt, loaded, tmp_path):
     a, b = cf.torch_tensors(ckpt("sharded")), cf.torch_tensors(out)
     assert a.keys() == b.keys()
     for k in a:
-        assert _same_bits(_np(a[k]), _np(b[k])), k
+        assert cf.same_bits(cf.tensor_to_numpy(a[k]), cf.tensor_to_numpy(b[k])), k
     # bf16 quant_storage in, uint8 out: the same bytes
     params, config = loaded("storage")
     out = save_bnb_checkpoint(tmp_path / "st", params, config)
     a, b = cf.torch_tensors(ckpt("storage")), cf.torch_tensors(out)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["bnb_4bit_quant_storage"] == "uint8"
     for k in a:
-        assert _np(a[k]).tobytes() == _np(b[k]).tobytes(), k
+        assert cf.tensor_to_numpy(a[k]).tobytes() == cf.tensor_to_numpy(b[k]).tobytes(), k
 
 
 @pytest.mark.parametrize("name", ["nf4", "fp4", "int8"])
@@ -257,22 +248,22 @@ def test_transformers_loads_saved_checkpoint(ckpt, loaded, tmp_path, name):
         if isinstance(mod, bnb.nn.Linear4bit):
             q = params[mname]
             qs = mod.weight.quant_state
-            assert np.asarray(q.packed).tobytes() == _np(mod.weight.data).tobytes()
-            assert _same_bits(q.absmax, _np(qs.absmax))
+            assert np.asarray(q.packed).tobytes() == cf.tensor_to_numpy(mod.weight.data).tobytes()
+            assert cf.same_bits(q.absmax, cf.tensor_to_numpy(qs.absmax))
             if q.nested:
-                assert _same_bits(q.nested_absmax, _np(qs.state2.absmax))
+                assert cf.same_bits(q.nested_absmax, cf.tensor_to_numpy(qs.state2.absmax))
                 assert float(q.offset) == qs.offset.item()
-            assert _same_bits(_dequant_like_bnb(q), _np(F.dequantize_4bit(mod.weight.data, qs))), mname
+            assert cf.same_bits(_dequant_like_bnb(q), cf.tensor_to_numpy(F.dequantize_4bit(mod.weight.data, qs))), mname
             n_quant += 1
         elif isinstance(mod, bnb.nn.Linear8bitLt):
             q = params[mname]
-            assert _same_bits(q.cb, _np(mod.weight.CB)) and _same_bits(q.scb, _np(mod.weight.SCB))
-            assert _same_bits(_dequant_like_bnb(q), _np(F.int8_vectorwise_dequant(mod.weight.CB, mod.weight.SCB)))
+            assert cf.same_bits(q.cb, cf.tensor_to_numpy(mod.weight.CB)) and cf.same_bits(q.scb, cf.tensor_to_numpy(mod.weight.SCB))
+            assert cf.same_bits(_dequant_like_bnb(q), cf.tensor_to_numpy(F.int8_vectorwise_dequant(mod.weight.CB, mod.weight.SCB)))
             n_quant += 1
     assert n_quant == 14
     for k, v in model.state_dict().items():
         if k in params:
-            assert _same_bits(params[k], _np(v)), k
+            assert cf.same_bits(params[k], cf.tensor_to_numpy(v)), k
     # and it computes exactly what the original checkpoint computes
     original = cf.load_with_transformers(ckpt(name))
     ids = torch.arange(10).reshape(1, 10)
@@ -308,16 +299,16 @@ def test_every_blocksize_saved_exactly_as_bitsandbytes_writes(tmp_path, blocksiz
     assert set(written) == set(expected) | {"a.odd.bias"}
     for k, v in expected.items():
         assert written[k].dtype == v.dtype and written[k].shape == v.shape, k
-        assert _np(written[k]).tobytes() == _np(v).tobytes(), k
+        assert cf.tensor_to_numpy(written[k]).tobytes() == cf.tensor_to_numpy(v).tobytes(), k
     back, cfg = load_bnb_checkpoint(out)
     assert cfg["quantization_config"]["quant_method"] == "bitsandbytes"
-    assert _same_bits(back["a.odd.bias"], params["a.odd.bias"])
+    assert cf.same_bits(back["a.odd.bias"], params["a.odd.bias"])
     for m in cases:
         q, r = params[m], back[m]
         assert (r.shape, r.quant_type, r.blocksize, r.stored_dtype, r.nested) == \
                (q.shape, q.quant_type, q.blocksize, q.stored_dtype, q.nested)
         for a, b in zip(jax.tree_util.tree_leaves(q), jax.tree_util.tree_leaves(r)):
-            assert _same_bits(a, b)
+            assert cf.same_bits(a, b)
     if blocksize not in (32, 4096):  # values once per extreme (eager JAX compiles per shape: slow)
         return
     # values: bitsandbytes' pure-torch dequantization (its CPU kernel mis-handles spanning blocks)
@@ -326,7 +317,7 @@ def test_every_blocksize_saved_exactly_as_bitsandbytes_writes(tmp_path, blocksiz
     qs = F.QuantState.from_dict({k[len(prefix):]: v for k, v in written.items() if k.startswith(prefix)},
                                 device=torch.device("cpu"))
     ref = cf.bnb_dequantize_4bit_reference(written[m + ".weight"], qs)
-    assert _same_bits(_dequant_like_bnb(back[m]), _np(ref))
+    assert cf.same_bits(_dequant_like_bnb(back[m]), cf.tensor_to_numpy(ref))
 
 
 # ------------------------------------------------------------------------------------------
@@ -357,7 +348,7 @@ def test_transposed_weight_can_be_loaded_dequantized(loaded, tmp_path):
     w = params[GATE + ".weight"]
     assert w.shape == (128, 64) and w.dtype == jnp.float32
     expected = quant.dequantize(_q4(jnp.asarray(dense.T), "nf4", 64, True), jnp.float32).T
-    assert _same_bits(w, expected)
+    assert cf.same_bits(w, expected)
     assert isinstance(params["model.layers.0.mlp.up_proj"], quant.Weight4bit)  # others untouched
 
 
@@ -382,7 +373,7 @@ def test_int8_transposed_is_rejected(ckpt, tmp_path):
     with pytest.warns(UserWarning, match="quantized transposed"):
         params, _ = load_bnb_checkpoint(path, transposed="dequantize")
     cb = sio.open_checkpoint(path).get(GATE + ".weight")
-    assert _same_bits(params[GATE + ".weight"], (cb.astype(np.float32) * np.float32(quant.int8.INV_127)).T)
+    assert cf.same_bits(params[GATE + ".weight"], (cb.astype(np.float32) * np.float32(quant.int8.INV_127)).T)
 
 
 def test_unknown_architecture_skips_the_shape_check(loaded, tmp_path):

@@ -22,16 +22,8 @@ from jqlora import quant  # noqa: E402
 pytestmark = pytest.mark.torch
 
 
-def _np(t) -> np.ndarray:
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
 
 
-def _same_bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 _dq = jax.jit(quant.dequantize, static_argnums=(1,))
@@ -73,14 +65,14 @@ def test_linear4bit_round_trip(quant_type, nested, dtype):
     assert isinstance(w, quant.Weight4bit)
     assert (w.shape, w.quant_type, w.nested, w.blocksize) == ((96, 64), quant_type, nested, 64)
     assert w.stored_dtype == str(dtype).removeprefix("torch.")
-    assert _same_bits(b, _np(m.bias))
+    assert cf.same_bits(b, cf.tensor_to_numpy(m.bias))
     # bit for bit what bitsandbytes dequantizes to
     ref = F.dequantize_4bit(m.weight.data, m.weight.quant_state)
-    assert _same_bits(_dequant(w, jnp.dtype(w.stored_dtype)), _np(ref))
+    assert cf.same_bits(_dequant(w, jnp.dtype(w.stored_dtype)), cf.tensor_to_numpy(ref))
     # from_torch on the parameter gives the same leaves
     w2 = interop.from_torch(m.weight)
     for x, y in zip(jax.tree_util.tree_leaves(w), jax.tree_util.tree_leaves(w2)):
-        assert _same_bits(x, y)
+        assert cf.same_bits(x, y)
     # back to torch: a real Params4bit whose state_dict is byte-identical
     p = interop.to_torch(w)
     assert isinstance(p, bnb.nn.Params4bit) and isinstance(p.quant_state, F.QuantState)
@@ -89,7 +81,7 @@ def test_linear4bit_round_trip(quant_type, nested, dtype):
     sd1, sd2 = m.state_dict(), m2.state_dict()
     assert sd1.keys() == sd2.keys()
     for k in sd1:
-        assert sd1[k].dtype == sd2[k].dtype and _np(sd1[k]).tobytes() == _np(sd2[k]).tobytes(), k
+        assert sd1[k].dtype == sd2[k].dtype and cf.tensor_to_numpy(sd1[k]).tobytes() == cf.tensor_to_numpy(sd2[k]).tobytes(), k
     # and the rebuilt module computes exactly what the original does (3-D input)
     x = torch.randn(2, 5, 64).to(dtype)
     with torch.no_grad():
@@ -110,8 +102,8 @@ def test_linear8bit_round_trip():
     m = _linear8bit()
     q, b = interop.from_torch_module(m)
     assert isinstance(q, quant.Int8Weight) and q.threshold == 6.0 and q.shape == (96, 64)
-    assert _same_bits(q.cb, _np(m.weight.CB)) and _same_bits(q.scb, _np(m.weight.SCB))
-    assert _same_bits(_dequant(q, jnp.float32), _np(F.int8_vectorwise_dequant(m.weight.CB, m.weight.SCB)))
+    assert cf.same_bits(q.cb, cf.tensor_to_numpy(m.weight.CB)) and cf.same_bits(q.scb, cf.tensor_to_numpy(m.weight.SCB))
+    assert cf.same_bits(_dequant(q, jnp.float32), cf.tensor_to_numpy(F.int8_vectorwise_dequant(m.weight.CB, m.weight.SCB)))
     p = interop.to_torch(q)
     assert isinstance(p, bnb.nn.Int8Params) and p.dtype == torch.int8
     assert torch.equal(p.CB, m.weight.CB) and torch.equal(p.SCB, m.weight.SCB)
@@ -125,7 +117,7 @@ def test_linear8bit_round_trip():
     assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
     # after a forward bitsandbytes moved CB/SCB into module.state: still converts the same
     q2 = interop.from_torch(m)
-    assert _same_bits(q2.cb, q.cb) and _same_bits(q2.scb, q.scb)
+    assert cf.same_bits(q2.cb, q.cb) and cf.same_bits(q2.scb, q.scb)
     # a bare Int8Params carries no threshold
     assert interop.from_torch(p).threshold == 0.0
 
@@ -145,7 +137,7 @@ def test_tensor_round_trip(dtype):
     t = (torch.randn(3, 7) * 10).to(dtype)
     a = interop.from_torch(t)
     assert isinstance(a, jax.Array) and a.shape == (3, 7)
-    assert _same_bits(a, _np(t) if dtype != torch.float8_e4m3fn else t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn))
+    assert cf.same_bits(a, cf.tensor_to_numpy(t) if dtype != torch.float8_e4m3fn else t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn))
     back = interop.to_torch(a)
     assert back.dtype == dtype and torch.equal(back.view(torch.uint8) if dtype.itemsize == 1 else back, t.view(torch.uint8) if dtype.itemsize == 1 else t)
 
@@ -162,13 +154,13 @@ def test_zero_copy_and_copy_flags():
     c.add_(1.0)
     assert float(a[0]) == 0.0
     nc = torch.arange(12.0).reshape(3, 4).T  # non-contiguous
-    assert _same_bits(interop.from_torch(nc), nc.contiguous().numpy())
+    assert cf.same_bits(interop.from_torch(nc), nc.contiguous().numpy())
 
 
 def test_plain_linear_and_module_errors():
     lin = torch.nn.Linear(4, 3)
     w, b = interop.from_torch_module(lin)
-    assert _same_bits(w, lin.weight.detach().numpy()) and _same_bits(b, lin.bias.detach().numpy())
+    assert cf.same_bits(w, lin.weight.detach().numpy()) and cf.same_bits(b, lin.bias.detach().numpy())
     m = interop.to_torch_module(w, b)
     x = torch.randn(2, 4)
     with torch.no_grad():
@@ -188,7 +180,7 @@ def test_bridge_agrees_with_checkpoint_loader(tmp_path_factory):
             w, bias = interop.from_torch_module(mod)
             assert bias is None
             for x, y in zip(jax.tree_util.tree_leaves(w), jax.tree_util.tree_leaves(params[name])):
-                assert _same_bits(x, y), name
+                assert cf.same_bits(x, y), name
             assert w.shape == params[name].shape
             n += 1
     assert n == 14
