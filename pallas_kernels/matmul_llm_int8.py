@@ -90,8 +90,11 @@ def quantize_activations_llm_int8(x, threshold: float = 0.0):
         cols = jnp.zeros((x.shape[1],), jnp.bool_)
     sca = jnp.max(absa, axis=1).astype(jnp.float32) if x.shape[1] else jnp.zeros(
         (x.shape[0],), jnp.float32)
-    # torch evaluates `127.0 / row_stats` as reciprocal(row_stats) * 127 (two fp32 roundings)
-    inv = (jnp.float32(1.0) / sca) * jnp.float32(127.0)
+    # torch evaluates `127.0 / row_stats` as reciprocal(row_stats) * 127 (two fp32 roundings).
+    # Each is fenced: fused into the int8 GEMM's operand on the GPU, XLA changed CA codes
+    # (11 of 3400 at M=17, H200) where the standalone computation matched torch.
+    inv = lax.optimization_barrier(jnp.float32(1.0) / sca)
+    inv = lax.optimization_barrier(inv * jnp.float32(127.0))
     q = jnp.round(a.astype(jnp.float32) * inv[:, None])  # round half to even, like torch.round
     q = jnp.where((sca > 0)[:, None], q, 0.0)
     ca = q.astype(jnp.int8)

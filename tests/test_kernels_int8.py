@@ -6,7 +6,7 @@ Kernels run in Pallas interpret mode on CPU and compiled (Triton) on a GPU backe
 Tolerances (elementwise, |got - want| <= bound):
 - weight-only kernels vs reference: the reference rounds every dequantized weight to the compute
   dtype, the default kernel scales in the fp32 epilogue instead, and fp32 sums run in another
-  order:  bound = u_c * (|x| @ |W|.T) + 2 * eps32 * (|x| @ |W|.T) + 1 ulp(out_dtype, |want|),
+  order:  bound = u_c * (|x| @ |W|.T) + 4 * eps32 * (|x| @ |W|.T) + 1 ulp(out_dtype, |want|),
   u_c = eps(compute dtype) / 2.
 - LLM.int8 kernel vs reference: identical int32 products and epilogue formula; fp32 sums in another
   order and FMA contraction:  bound = 1 ulp(out_dtype) + 8 * eps32 * (|x16| @ |W|.T).
@@ -104,7 +104,9 @@ def _wo_bound(x, cb, scb, want, compute_dtype, out_dtype, transpose=False):
     ax = np.abs(_f64(x))
     absprod = ax @ w if transpose else ax @ w.T
     u = _eps(compute_dtype) / 2
-    return (u + 2 * EPS32) * absprod + _ulp(_f64(want), out_dtype)
+    # 4 eps32 for the fp32 sums: compiled on an H200, one element of 9360 reached 1.006x a
+    # 2 eps32 bound (M=130, float32): the tiled K order differs more from XLA's than interpret's.
+    return (u + 4 * EPS32) * absprod + _ulp(_f64(want), out_dtype)
 
 
 def _llm_bound(x, cb, scb, want, out_dtype):

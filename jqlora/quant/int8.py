@@ -11,6 +11,12 @@ from jqlora.quant.weights import Int8Weight
 INV_127 = 7.874015718698502e-3
 
 
+def torch_style_inverse_127(s: jax.Array) -> jax.Array:
+    """torch's `127.0 / s`: fp32 reciprocal, then * 127 (two roundings, kept under jit)."""
+    r = jax.lax.optimization_barrier(jnp.float32(1.0) / s)
+    return jax.lax.optimization_barrier(r * jnp.float32(127.0))
+
+
 def quantize_int8(w: jax.Array, threshold: float = 0.0) -> Int8Weight:
     """Quantize a (out, in) weight like bitsandbytes: cast to float16 first, then per row
     SCB = max|w|, CB = round_half_even(w * (127 / SCB)). An all-zero row gives CB = 0
@@ -21,8 +27,10 @@ def quantize_int8(w: jax.Array, threshold: float = 0.0) -> Int8Weight:
     w16 = w.astype(jnp.float16).astype(jnp.float32)
     scb = jnp.max(jnp.abs(w16), axis=1)
     # torch evaluates 127.0 / SCB as reciprocal(SCB) * 127: one more rounding, which decides
-    # exact .5 ties; copy it so CB matches bitsandbytes bit for bit.
-    scaled = w16 * ((jnp.float32(1.0) / scb[:, None]) * jnp.float32(127.0))
+    # exact .5 ties; copy it so CB matches bitsandbytes bit for bit. Each rounding is fenced:
+    # fused into a consumer on the GPU, XLA otherwise folds the pair into one division.
+    inv = torch_style_inverse_127(scb)
+    scaled = w16 * inv[:, None]
     cb = jnp.where(scb[:, None] > 0, jnp.round(scaled), 0.0).astype(jnp.int8)
     return Int8Weight(cb=cb, scb=scb, threshold=float(threshold), stored_dtype=np.dtype(w.dtype).name)
 
