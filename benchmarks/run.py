@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import jax
 
@@ -82,6 +83,9 @@ def markdown(res: dict) -> str:
             else:
                 lines.append(f"| {name} | {v['tb_s']:.2f} | {v['fraction_of_copy']:.2f} |")
         lines.append("")
+    if res.get("skipped_cells"):
+        lines += ["Not measured (time budget of the run spent): " + ", ".join(
+            f"M={c['m']} {c['k']}x{c['n']}" for c in res["skipped_cells"]), ""]
     if res.get("memory"):
         lines += ["## memory: fwd+bwd through a stack of NF4 layers", "", "```",
                   json.dumps(res["memory"], indent=1), "```", ""]
@@ -99,6 +103,11 @@ def main(argv=None):
     p.add_argument("--tag", default="")
     p.add_argument("--variants", choices=["all", "none"], default="all",
                    help="also time every registered matmul_4bit variant (forward)")
+    p.add_argument("--variant-ms", default=None,
+                   help="M values at which the variants run (default: every M of --ms)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="matmul cells started after this many seconds are recorded as skipped, so "
+                        "dequant, memory, torch and the result files still come out in a time limit")
     a = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("jqlora bench: no GPU found; the benchmark measures GPU kernels only.", file=sys.stderr)
@@ -112,10 +121,17 @@ def main(argv=None):
     variants = [v.name for v in registry.for_op("matmul_4bit")] if a.variants == "all" else []
     res = {"device": device_name(), "date": datetime.date.today().isoformat(), "versions": versions(),
            "variants": [v.name for v in registry.all_variants()], "matmul": []}
+    variant_ms = {int(v) for v in (a.variant_ms or a.ms).split(",")}
+    t0 = time.monotonic()
     if "matmul" not in skip:
         for k, n in shapes:
             for m in (int(v) for v in a.ms.split(",")):
-                rows = matmul_bench.bench_shape(k, n, m, variants, iterations=a.iterations, with_torch=False, log=log)
+                if a.budget_s is not None and time.monotonic() - t0 > a.budget_s:
+                    log(f"  M={m} K={k} N={n}: skipped (time budget {a.budget_s:g} s spent)")
+                    res.setdefault("skipped_cells", []).append({"m": m, "k": k, "n": n})
+                    continue
+                rows = matmul_bench.bench_shape(k, n, m, variants if m in variant_ms else [],
+                                                iterations=a.iterations, with_torch=False, log=log)
                 res["matmul"].append({"m": m, "k": k, "n": n, "rows": rows})
     if "dequant" not in skip:
         res["dequant"] = matmul_bench.dequant_throughput()

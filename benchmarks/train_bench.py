@@ -130,6 +130,9 @@ def run_torch(shape: str, steps: int, seq: int, quantized: bool = True) -> dict:
         model.gradient_checkpointing_enable()
         model.enable_input_require_grads()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, task_type="CAUSAL_LM"))
+    # from_pretrained returns an eval-mode model, and transformers checkpoints layers only in
+    # training mode: without this the step runs with no gradient checkpointing at all.
+    model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, c["vocab_size"], (1, seq), device=dev)
     cuda = dev == "cuda"
@@ -158,6 +161,8 @@ def run_torch(shape: str, steps: int, seq: int, quantized: bool = True) -> dict:
     step_s = float(np.median(times))
     return {"side": "torch qlora" if quantized else "torch bf16 lora", "step_s": step_s, "tokens_per_s": seq / step_s,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "warmup_s": warm_s,
+            "gradient_checkpointing": model.training and any(
+                getattr(mod, "gradient_checkpointing", False) is True for mod in model.modules()),
             "losses": losses}
 
 
