@@ -4,6 +4,9 @@ Layout (bitsandbytes): logical W is (N, K); `packed` is uint8 (N, K//2) holding 
 codes two per byte, element 2j in the HIGH nibble, 2j+1 in the LOW nibble; `absmax` is float32
 (N, K//blocksize) (already de-nested); `code` is the float32 (16,) table (NF4 or FP4).
     W[n, k] = float32(code[nibble]) * absmax[n, k // blocksize]      (fp32), then cast once.
+Double-quantized ("nested") scales, for the kernels that de-nest in-kernel: `absmax` is the uint8
+(N, K//blocksize) code array and nested = (nested_absmax, nested_code, offset); scale block
+b = n * (K//blocksize) + c is  round(nested_code[absmax[b]] * nested_absmax[b // 256]) + offset.
 
 This module also holds the helpers the fused matmul kernels share (validation, tile decode).
 """
@@ -20,6 +23,7 @@ from pallas_kernels._compat import cdiv
 from pallas_kernels.registry import Variant
 
 DECODE_METHODS = ("select", "gather")
+NESTED_BLOCKSIZE = 256  # bitsandbytes' double-quantization block (jqlora.quant.tables)
 # In-kernel dots: HIGHEST so float32 inputs are not rounded to TF32 by the Triton lowering
 # (bf16/fp16 inputs are unaffected).
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -44,8 +48,7 @@ def supports_4bit(m: int, n: int, k: int, blocksize: int) -> bool:
     )
 
 
-def check_4bit_operands(packed, absmax, code, blocksize: int, *, what: str) -> tuple[int, int]:
-    """Validate the quantized weight operands; return the logical weight shape (N, K)."""
+def _check_packed(packed, blocksize: int, *, what: str) -> tuple[int, int]:
     if packed.ndim != 2:
         raise ValueError(f"{what}: `packed` must be 2-D (N, K//2) uint8, got shape {packed.shape}")
     if packed.dtype != jnp.uint8:
@@ -58,14 +61,49 @@ def check_4bit_operands(packed, absmax, code, blocksize: int, *, what: str) -> t
         raise ValueError(
             f"{what}: in_features K={k} (from packed {packed.shape}) must be a positive multiple of "
             f"blocksize={blocksize}")
+    return n, k
+
+
+def _check_code(code, *, what: str):
+    if code.shape != (16,) or code.dtype != jnp.float32:
+        raise ValueError(f"{what}: `code` must be float32 of shape (16,), got {code.dtype}{code.shape}")
+
+
+def check_4bit_operands(packed, absmax, code, blocksize: int, *, what: str) -> tuple[int, int]:
+    """Validate the quantized weight operands; return the logical weight shape (N, K)."""
+    n, k = _check_packed(packed, blocksize, what=what)
     if absmax.shape != (n, k // blocksize):
         raise ValueError(
             f"{what}: `absmax` must have shape (N, K//blocksize) = {(n, k // blocksize)}, got "
             f"{absmax.shape} (de-nest double-quantized scales before calling)")
     if absmax.dtype != jnp.float32:
         raise ValueError(f"{what}: `absmax` must be float32, got {absmax.dtype}")
-    if code.shape != (16,) or code.dtype != jnp.float32:
-        raise ValueError(f"{what}: `code` must be float32 of shape (16,), got {code.dtype}{code.shape}")
+    _check_code(code, what=what)
+    return n, k
+
+
+def check_4bit_nested_operands(packed, absmax, code, nested, blocksize: int, *,
+                               what: str) -> tuple[int, int]:
+    """`check_4bit_operands` for double-quantized scales: `absmax` holds the uint8 codes and
+    nested = (nested_absmax, nested_code, offset); every error names the operand."""
+    n, k = _check_packed(packed, blocksize, what=what)
+    _check_code(code, what=what)
+    if not (isinstance(nested, (tuple, list)) and len(nested) == 3):
+        got = f"{len(nested)} items" if isinstance(nested, (tuple, list)) else type(nested).__name__
+        raise ValueError(f"{what}: `nested` must be (nested_absmax, nested_code, offset), got {got}")
+    nblocks = n * (k // blocksize)
+    expected = (
+        ("absmax", absmax, (n, k // blocksize), jnp.uint8,
+         "the double-quantized scale codes, bitsandbytes' flat absmax reshaped (N, K//blocksize)"),
+        ("nested_absmax", nested[0], (cdiv(nblocks, NESTED_BLOCKSIZE),), jnp.float32,
+         f"one per {NESTED_BLOCKSIZE} scales: ceil({nblocks} / {NESTED_BLOCKSIZE})"),
+        ("nested_code", nested[1], (NESTED_BLOCKSIZE,), jnp.float32, "the 8-bit dynamic map"),
+        ("offset", nested[2], (), jnp.float32, "a scalar"),
+    )
+    for name, arr, shape, dtype, why in expected:
+        if jnp.shape(arr) != shape or jnp.result_type(arr) != dtype:
+            raise ValueError(f"{what}: `{name}` must be {jnp.dtype(dtype).name} of shape {shape} "
+                             f"({why}), got {jnp.result_type(arr)}{jnp.shape(arr)}")
     return n, k
 
 
@@ -96,6 +134,30 @@ def decode_nibbles(p, code_ref, table, *, high: bool, method: str):
         level = [jnp.where(b, level[2 * j + 1], level[2 * j]) for j in range(len(level) // 2)]
     (v,) = level
     return v
+
+
+def unfused(x):
+    """x, opaque to multiply-add contraction: in `unfused(a * b) + c` XLA cannot fuse an FMA (one
+    rounding) where bitsandbytes rounds the product first (same trick as jqlora.quant.fourbit)."""
+    return jnp.where(x == x, x, jnp.nan)
+
+
+def denest_tile(codes, row0, col0, nested_absmax_ref, nested_code_ref, offset, *, ncols: int):
+    """fp32 scales of a tile of double-quantized codes, as `denest_absmax_reference` computes them.
+
+    codes (R, G) uint8 = absmax[row0 : row0+R, col0 : col0+G] of the (N, ncols) code array; scale
+    block b = row * ncols + col uses nested_absmax[b // 256]. Two table gathers, no fp32 scale
+    array in memory. Rows past N (masked loads) clamp to the last nested block: no out-of-bounds
+    read, and their values are never stored. The select in `unfused` keeps bitsandbytes' two
+    roundings under XLA (interpret mode); Triton/LLVM may still contract to an FMA, a <= 1 ulp
+    difference in a scale that is fine for a matmul.
+    """
+    r, g = codes.shape
+    rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (r, 1), 0)
+    cols = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, g), 1)
+    last = nested_absmax_ref.shape[0] - 1
+    block = jnp.minimum(jax.lax.div(rows * ncols + cols, NESTED_BLOCKSIZE), last)  # (R, G), >= 0
+    return unfused(nested_code_ref[codes.astype(jnp.int32)] * nested_absmax_ref[block]) + offset
 
 
 def apply_scales(vals, am):
@@ -130,6 +192,15 @@ def dequantize_4bit_reference(packed, absmax, code, *, blocksize: int, out_dtype
     vals = jnp.take(code, q, axis=0)
     scale = jnp.repeat(absmax, blocksize, axis=1)
     return (vals * scale).astype(out_dtype)
+
+
+def denest_absmax_reference(codes, nested_absmax, nested_code, offset):
+    """Double-quantized scales -> fp32, as bitsandbytes (and jqlora.quant.absmax_f32) de-nests
+    them: round(nested_code[code] * nested_absmax[b // 256]) then + offset, two roundings, eager
+    or under jit. `codes` is uint8 of any shape, flattened row-major into blocks b."""
+    flat = codes.reshape(-1).astype(jnp.int32)
+    block = jnp.arange(flat.shape[0]) // NESTED_BLOCKSIZE
+    return (unfused(nested_code[flat] * nested_absmax[block]) + offset).reshape(codes.shape)
 
 
 # ----------------------------------------------------------------------------------------------

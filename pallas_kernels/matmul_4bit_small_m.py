@@ -6,6 +6,11 @@ decodes them in registers and writes an fp32 partial sum; the wrapper sums the (
 partials and casts. x is split into even/odd columns (hi/lo nibble halves, no interleaving).
 M <= `rowwise_max_m` uses broadcast-multiply + row reductions (no tensor-core padding); larger M
 pads x to a power of two >= 16 rows and uses dots.
+
+Double-quantized scales can be de-nested in-kernel (`nested=`): each program gathers its few
+(block_n x G) scales from the uint8 codes and the two small tables, so no XLA de-nest kernel
+runs before the call and the scale read is 1 byte instead of 4 per block (at M=1 both are a
+large share of the time).
 """
 from __future__ import annotations
 
@@ -19,8 +24,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
-    HIGHEST as _HIGHEST, check_4bit_operands, load_code_scalars, pick_block_bytes,
-    resolve_method, row_mask, supports_4bit)
+    HIGHEST as _HIGHEST, check_4bit_nested_operands, check_4bit_operands, denest_absmax_reference,
+    denest_tile, load_code_scalars, pick_block_bytes, resolve_method, row_mask, supports_4bit)
 from pallas_kernels.matmul_4bit import (
     _NT, absmax_cols, check_x, decode_tile, matmul_4bit_reference, split_even_odd)
 from pallas_kernels.registry import Variant
@@ -38,32 +43,44 @@ def supports_small_m(m: int, n: int, k: int, blocksize: int) -> bool:
 
 
 def matmul_4bit_small_m_reference(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
-                                  interpret: bool = False):
-    """Same oracle as `matmul_4bit_reference`."""
+                                  interpret: bool = False, nested=None):
+    """Same oracle as `matmul_4bit_reference`; with `nested`, the scales are de-nested first."""
+    if nested is not None:
+        check_4bit_nested_operands(packed, absmax, code, nested, blocksize,
+                                   what="matmul_4bit_small_m_reference")
+        absmax = denest_absmax_reference(absmax, *nested)
     return matmul_4bit_reference(x, packed, absmax, code, blocksize=blocksize,
                                  out_dtype=out_dtype, interpret=interpret)
 
 
 def _splitk_kernel(*refs, n: int, mp: int, bn: int, bkb: int, tps: int, blocksize: int,
-                   method: str, rowwise: bool, split_in_kernel: bool):
+                   method: str, rowwise: bool, split_in_kernel: bool, nested: bool,
+                   reduce_at_end: bool = False):
+    *in_refs, out_ref = refs
+    if nested:  # absmax_ref holds uint8 codes; de-nested per tile (see denest_tile)
+        *in_refs, nested_absmax_ref, nested_code_ref, offset_ref = in_refs
     if split_in_kernel:  # x (mp, K): de-interleave even/odd columns in registers (tt.split)
-        x_ref, packed_ref, absmax_ref, code_ref, out_ref = refs
+        x_ref, packed_ref, absmax_ref, code_ref = in_refs
         dtype = x_ref.dtype
     else:  # x pre-split by the wrapper: xe, xo (mp, K//2)
-        xe_ref, xo_ref, packed_ref, absmax_ref, code_ref, out_ref = refs
+        xe_ref, xo_ref, packed_ref, absmax_ref, code_ref = in_refs
         dtype = xe_ref.dtype
     j, s = pl.program_id(0), pl.program_id(1)
     wmask = None if n % bn == 0 else row_mask(j * bn, bn, n)
     span = 2 * bkb
     g = absmax_cols(span, blocksize)
     table = load_code_scalars(code_ref) if method == "select" else None
+    offset = offset_ref[0] if nested else None
 
     def weights(t):
         kt = s * tps + t
         kb0 = pl.multiple_of(kt * bkb, bkb)
+        c0 = (kt * span) // blocksize
         p = _compat.load(packed_ref.at[:, pl.ds(kb0, bkb)], mask=wmask, other=0)
-        am = _compat.load(absmax_ref.at[:, pl.ds((kt * span) // blocksize, g)], mask=wmask,
-                          other=0.0)
+        am = _compat.load(absmax_ref.at[:, pl.ds(c0, g)], mask=wmask, other=0)
+        if nested:
+            am = denest_tile(am, j * bn, c0, nested_absmax_ref, nested_code_ref, offset,
+                             ncols=absmax_ref.shape[1])
         w_hi, w_lo = decode_tile(p, am, code_ref, table, method=method, dtype=dtype)
         return kb0, w_hi, w_lo
 
@@ -87,12 +104,17 @@ def _splitk_kernel(*refs, n: int, mp: int, bn: int, bkb: int, tps: int, blocksiz
                 xe, xo = x_tile(r, kb0)
                 xe = xe.astype(jnp.float32)
                 xo = xo.astype(jnp.float32)
-                out.append(accs[r] + jnp.sum(w_hi * xe[None, :] + w_lo * xo[None, :], axis=1))
+                prod = w_hi * xe[None, :] + w_lo * xo[None, :]
+                out.append(accs[r] + (prod if reduce_at_end else jnp.sum(prod, axis=1)))
             return tuple(out)
 
-        accs = lax.fori_loop(0, tps, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(mp)))
+        # reduce_at_end: (bn, bkb) accumulators, one cross-thread reduction after the K loop
+        # instead of one per tile (more registers, no per-tile shuffles / shared memory).
+        acc_shape = (bn, bkb) if reduce_at_end else (bn,)
+        accs = lax.fori_loop(0, tps, body, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(mp)))
         for r in range(mp):
-            _compat.store(out_ref.at[pl.ds(r, 1), :], accs[r][None, :].astype(out_ref.dtype),
+            acc = jnp.sum(accs[r], axis=1) if reduce_at_end else accs[r]
+            _compat.store(out_ref.at[pl.ds(r, 1), :], acc[None, :].astype(out_ref.dtype),
                           mask=cmask)
     else:
         def body(t, acc):
@@ -118,21 +140,27 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=(
     "blocksize", "out_dtype", "interpret", "block_n", "block_k", "splits", "method",
-    "rowwise_max_m", "split_x", "num_warps", "num_stages"))
+    "rowwise_max_m", "split_x", "num_warps", "num_stages", "reduce_at_end"))
 def matmul_4bit_small_m(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                         interpret: bool = False, block_n: int | None = None,
                         block_k: int | None = None, splits: int | None = None,
                         method: str = "auto", rowwise_max_m: int = ROWWISE_MAX_M,
                         split_x: str = "auto", num_warps: int = 4, num_stages: int = 3,
-                        block_m: int | None = None):
+                        block_m: int | None = None, nested=None, reduce_at_end: bool = False):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 64 (split-K, weight streamed once).
 
     block_k counts weight columns per tile (two per byte); `splits` K splits (must divide the
     number of K tiles; default: enough programs to fill the GPU). block_m is accepted for
     signature compatibility and ignored (all M rows are in every program).
+    nested = (nested_absmax (ceil(N*K/bs / 256),), nested_code (256,), offset ()) float32, with
+    `absmax` the uint8 (N, K//bs) codes of double-quantized scales: de-nested in-kernel.
     """
     del block_m
-    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="matmul_4bit_small_m")
+    if nested is None:
+        n, k = check_4bit_operands(packed, absmax, code, blocksize, what="matmul_4bit_small_m")
+    else:
+        n, k = check_4bit_nested_operands(packed, absmax, code, nested, blocksize,
+                                          what="matmul_4bit_small_m")
     check_x(x, k, what="matmul_4bit_small_m")
     m = x.shape[0]
     if m > MAX_M:
@@ -175,7 +203,14 @@ def matmul_4bit_small_m(x, packed, absmax, code, *, blocksize: int, out_dtype=No
     part_dtype = out_dtype if splits == 1 else jnp.float32
     kernel = functools.partial(
         _splitk_kernel, n=n, mp=mp, bn=bn, bkb=bkb, tps=nk // splits, blocksize=blocksize,
-        method=method, rowwise=rowwise, split_in_kernel=split_x == "kernel")
+        method=method, rowwise=rowwise, split_in_kernel=split_x == "kernel",
+        reduce_at_end=reduce_at_end and rowwise,
+        nested=nested is not None)
+    nested_ops, nested_specs = (), []
+    if nested is not None:
+        nested_absmax, nested_code, offset = nested
+        nested_ops = (nested_absmax, nested_code, jnp.reshape(offset, (1,)))
+        nested_specs = [pl.BlockSpec(a.shape, lambda j, s: (0,)) for a in nested_ops]
     partial = _compat.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, mp, n), part_dtype),
@@ -185,13 +220,14 @@ def matmul_4bit_small_m(x, packed, absmax, code, *, blocksize: int, out_dtype=No
             pl.BlockSpec((bn, kb), lambda j, s: (j, 0)),
             pl.BlockSpec((bn, k // blocksize), lambda j, s: (j, 0)),
             pl.BlockSpec((16,), lambda j, s: (0,)),
+            *nested_specs,
         ],
         out_specs=pl.BlockSpec((_compat.SQUEEZED, mp, bn), lambda j, s: (s, 0, j)),
         interpret=interpret,
         num_warps=num_warps,
         num_stages=num_stages,
         name="matmul_4bit_splitk",
-    )(*xs, packed, absmax, code)
+    )(*xs, packed, absmax, code, *nested_ops)
     y = partial[0] if splits == 1 else jnp.sum(partial, axis=0)
     return y[:m].astype(out_dtype)
 
@@ -206,6 +242,8 @@ VARIANTS = (
         description="Pallas/Triton split-K small-M (M <= 64) dequant-matmul: grid (N tiles, K "
                     "splits), fp32 partials summed in the wrapper; M <= 4: row-wise FMA + table-"
                     "load decode, x split in-kernel; else dots + select decode. H200 4096^2: "
-                    "M=1 1.07x, M=16 2.3x, M=64 2.1x bf16.",
+                    "M=1 1.07x, M=16 2.3x, M=64 2.1x bf16. De-nests double-quantized scales "
+                    "in-kernel (nested=).",
+        accepts_nested=True,
     ),
 )

@@ -17,6 +17,8 @@ from typing import Callable
 #   "matmul_int8":     fn(x (M,K), cb (N,K) i8, scb (N,) f32, *, out_dtype, interpret) -> (M,N)
 #   "matmul_int8_t":   fn(dy (M,N), cb, scb, *, out_dtype, interpret) -> (M,K)
 #   "llm_int8":        fn(x (M,K), cb, scb, *, threshold, out_dtype, interpret) -> (M,N)
+# A 4-bit variant with `accepts_nested` also takes nested=(nested_absmax, nested_code, offset)
+# with absmax the uint8 (N,K//bs) codes of double-quantized scales, and de-nests them itself.
 OPS = ("matmul_4bit", "matmul_4bit_t", "dequantize_4bit", "matmul_int8", "matmul_int8_t", "llm_int8")
 
 
@@ -30,6 +32,7 @@ class Variant:
     reference: Callable
     supports: Callable[[int, int, int, int], bool]
     description: str = ""
+    accepts_nested: bool = False  # takes double-quantized scales via `nested=` (see above)
 
     def __post_init__(self):
         if self.op not in OPS:

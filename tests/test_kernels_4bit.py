@@ -21,9 +21,10 @@ from pallas_kernels import matmul_4bit as mm_mod
 from pallas_kernels import matmul_4bit_small_m as sm_mod
 from pallas_kernels import matmul_4bit_t as t_mod
 from pallas_kernels._compat import auto_interpret, cdiv, resolve_interpret
-from pallas_kernels.dequantize_4bit import dequantize_4bit, dequantize_4bit_reference
+from pallas_kernels.dequantize_4bit import (
+    denest_absmax_reference, dequantize_4bit, dequantize_4bit_reference)
 from pallas_kernels.matmul_4bit import matmul_4bit, matmul_4bit_dequant_dot, matmul_4bit_reference
-from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
+from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m, matmul_4bit_small_m_reference
 from pallas_kernels.matmul_4bit_t import (
     matmul_4bit_t, matmul_4bit_t_dequant_dot, matmul_4bit_t_reference)
 from pallas_kernels.registry import OPS, Variant
@@ -55,6 +56,22 @@ def make_weight(seed, n, k, bs):
     return jnp.asarray(packed), jnp.asarray(absmax)
 
 
+def make_nested(seed, n, k, bs):
+    """Double-quantized scales: uint8 codes (N, K//bs), (nested_absmax, nested_code, offset), and
+    the fp32 scales they stand for, de-nested in numpy as bitsandbytes does (the product rounded
+    to fp32, then + offset). Nested absmax values differ a lot so a wrong block index shows."""
+    rng = np.random.default_rng(seed)
+    nb = n * (k // bs)
+    codes = rng.integers(0, 256, (n, k // bs), dtype=np.uint8)
+    nested_absmax = rng.uniform(0.05, 1.0, cdiv(nb, 256)).astype(np.float32)
+    nested_code = np.sort(rng.uniform(-1.0, 1.0, 256)).astype(np.float32)
+    offset = np.float32(rng.uniform(0.3, 1.0))
+    prod = nested_code[codes.reshape(-1)] * nested_absmax[np.arange(nb) // 256]  # fp32 rounding
+    absmax = (prod + offset).reshape(n, k // bs)
+    nested = (jnp.asarray(nested_absmax), jnp.asarray(nested_code), jnp.asarray(offset))
+    return jnp.asarray(codes), nested, jnp.asarray(absmax)
+
+
 def make_x(seed, shape, dtype):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
@@ -69,13 +86,14 @@ def np_dequant_f32(packed, absmax, code, bs):
     return np.asarray(code, np.float32)[q] * np.repeat(np.asarray(absmax, np.float32), bs, axis=1)
 
 
-def assert_matmul_close(got, want, scale, what=""):
+def assert_matmul_close(got, want, scale, what="", slack=0.0):
+    """Within the module tolerance; `slack` * scale more where a known effect needs it."""
     assert got.dtype == want.dtype, (got.dtype, want.dtype)
     assert got.shape == want.shape, (got.shape, want.shape)
     g = np.asarray(got.astype(jnp.float32), np.float64)
     w = np.asarray(want.astype(jnp.float32), np.float64)
     eps = float(jnp.finfo(got.dtype).eps)
-    tol = 1e-5 * scale + 2 * eps * np.abs(w) + 1e-30
+    tol = (1e-5 + slack) * scale + 2 * eps * np.abs(w) + 1e-30
     err = np.abs(g - w)
     assert np.all(np.isfinite(g)), f"{what}: non-finite output"
     bad = err > tol
@@ -252,10 +270,80 @@ def test_splitk_small_m(m, n, k, bs, dt, table):
     ((1, 24, 256, 32, "f32", "fp4"), dict(split_x="kernel", block_k=64, method="select")),
     ((3, 40, 512, 64, "f16", "nf4"), dict(rowwise_max_m=0, method="gather", splits=2, block_k=64)),
     ((5, 24, 256, 32, "bf16", "fp4"), dict(rowwise_max_m=64, block_n=8, out_dtype=jnp.float32)),
+    ((2, 40, 512, 64, "f32", "nf4"), dict(reduce_at_end=True, block_k=128, splits=2)),
 ])
 def test_splitk_small_m_options(shape, kw):
     m, n, k, bs, dt, table = shape
     check_forward(matmul_4bit_small_m, m, n, k, bs, DTYPES[dt], table, **kw)
+
+
+# N ragged against block_n (32 at M <= 4 and M = 64, 64 at M = 17); N*K/bs = 864, 320, 432 scales
+# (the last nested block is short) and 1280 = 5 * 256; K/bs = 12 and 6 put nested-block edges
+# inside a row; bs=256 at M=17 has K tiles narrower than a scale block.
+NESTED_CASES = [
+    (1, 72, 768, 64, "bf16", "nf4"),
+    (3, 40, 1024, 128, "f32", "fp4"),
+    (17, 72, 1536, 256, "bf16", "fp4"),
+    (64, 40, 1024, 32, "f32", "nf4"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,bs,dt,table", NESTED_CASES)
+def test_splitk_small_m_nested_scales(m, n, k, bs, dt, table):
+    """De-nesting in-kernel = the fp32-scale kernel on the numpy-de-nested scales (same kernel
+    otherwise: the tight check), and = the reference (which de-nests bit for bit).
+
+    Against the reference, interpret mode gets half an ulp of the compute dtype per product of
+    slack: XLA's default --xla_allow_excess_precision drops the row-wise path's round trip
+    f32 -> bf16 -> f32 of the decoded weight, so there it multiplies unrounded fp32 weights
+    (with the flag off it matches the reference at the module tolerance). Compiled: no slack.
+    """
+    dtype = DTYPES[dt]
+    packed, _ = make_weight(21, n, k, bs)
+    codes, nested, absmax = make_nested(22, n, k, bs)
+    code = jnp.asarray(TABLES[table])
+    x = make_x(23, (m, k), dtype)
+    got = matmul_4bit_small_m(x, packed, codes, code, blocksize=bs, nested=nested,
+                              interpret=INTERPRET)
+    flat = matmul_4bit_small_m(x, packed, absmax, code, blocksize=bs, interpret=INTERPRET)
+    want = matmul_4bit_small_m_reference(x, packed, codes, code, blocksize=bs, nested=nested)
+    scale = scale_fwd(x, dequantize_4bit_reference(packed, absmax, code, blocksize=bs,
+                                                   out_dtype=dtype))
+    what = f"nested M={m} N={n} K={k} bs={bs}"
+    assert_matmul_close(got, flat, scale, what + " vs fp32 scales")
+    slack = float(jnp.finfo(dtype).eps) / 2 if INTERPRET and dtype != jnp.float32 else 0.0
+    assert_matmul_close(got, want, scale, what + " vs reference", slack=slack)
+
+
+def test_denest_reference_bit_exact():
+    """Two roundings (product, then + offset) eager and under jit, where XLA would fuse an FMA."""
+    codes, nested, absmax = make_nested(24, 40, 1024, 128)
+    for f in (denest_absmax_reference, jax.jit(denest_absmax_reference)):
+        got = f(codes, *nested)
+        assert got.shape == absmax.shape and got.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                      np.asarray(absmax).view(np.uint32))
+
+
+def test_splitk_small_m_nested_bad_operands():
+    n, k, bs = 8, 128, 64
+    packed, absmax = make_weight(0, n, k, bs)
+    codes, (nested_absmax, nested_code, offset), _ = make_nested(0, n, k, bs)
+    code = jnp.asarray(NF4)
+    x = make_x(0, (1, k), jnp.float32)
+    bad = [
+        ("absmax", absmax, (nested_absmax, nested_code, offset)),  # fp32 scales with nested=
+        ("absmax", codes[:, :1], (nested_absmax, nested_code, offset)),
+        ("nested_absmax", codes, (jnp.ones(2, jnp.float32), nested_code, offset)),
+        ("nested_absmax", codes, (nested_absmax.astype(jnp.float16), nested_code, offset)),
+        ("nested_code", codes, (nested_absmax, nested_code[:16], offset)),
+        ("offset", codes, (nested_absmax, nested_code, offset.reshape(1))),
+        ("nested", codes, (nested_absmax, nested_code)),
+    ]
+    for fn in (matmul_4bit_small_m, matmul_4bit_small_m_reference):
+        for name, am, nested in bad:
+            with pytest.raises(ValueError, match=f"`{name}`"):
+                fn(x, packed, am, code, blocksize=bs, nested=nested, interpret=True)
 
 
 def test_dequant_dot_forward():
@@ -336,6 +424,7 @@ def test_variants_registered():
         assert not v.supports(1, 64, 96, 48)       # blocksize not a power of two
         assert not v.supports(1, 64, 32, 16)       # blocksize below 32
     assert by_name["splitk_small_m"].supports(64, 64, 128, 64)
+    assert {v.name for v in MY_VARIANTS if v.accepts_nested} == {"splitk_small_m"}
     assert not by_name["splitk_small_m"].supports(65, 64, 128, 64)
 
 

@@ -11,6 +11,7 @@ from jax.test_util import check_grads
 
 from jqlora import ops, quant
 from jqlora.ops import BackendError
+from pallas_kernels.dequantize_4bit import denest_absmax_reference
 
 
 def _weights(n=48, k=128, seed=0):
@@ -226,6 +227,24 @@ def test_interpret_backend_gradients_agree_with_xla(kind, lead):
                                rtol=1e-5, atol=1e-5)
     for gi, gx in zip(jax.grad(f, (0, 1, 2))(x, a, b, KB), jax.grad(f, (0, 1, 2))(x, a, b, "xla")):
         np.testing.assert_allclose(np.asarray(gi), np.asarray(gx), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_interpret_backend_nested_weight_small_m(m):
+    """A double-quantized weight at decode sizes: the small-M kernel gets the uint8 scale codes
+    and de-nests them itself (no fp32 (N, K/bs) scale array); same result as the xla path."""
+    n, k = 40, 512  # 320 scale blocks: the last nested block is short; N ragged vs block_n
+    w = jax.random.normal(jax.random.key(17), (n, k)) * 0.05
+    q = quant.quantize_4bit(w, "nf4", 64, True)
+    codes = q.absmax.reshape(n, k // 64)
+    np.testing.assert_array_equal(  # the kernel package's de-nest oracle is jqlora's, bit for bit
+        np.asarray(jax.jit(denest_absmax_reference)(codes, q.nested_absmax, q.nested_code, q.offset)),
+        np.asarray(jax.jit(quant.absmax_f32)(q)).reshape(n, k // 64))
+    x = jax.random.normal(jax.random.key(18), (m, k))
+    f = lambda x: ops.qmatmul(x, q, backend=KB)
+    text = str(jax.make_jaxpr(f)(x))
+    assert "u8[40,8]" in text and "f32[40,8]" not in text, "nested scales were de-nested outside the kernel"
+    np.testing.assert_allclose(np.asarray(f(x)), np.asarray(ops.qmatmul(x, q, backend="xla")), rtol=1e-5, atol=1e-5)
 
 
 def test_interpret_backend_bf16_matches_reference():

@@ -43,6 +43,14 @@ def kernel_operands_4bit(q: Weight4bit):
     return q.packed.reshape(n, k // 2), absmax_f32(q).reshape(n, k // q.blocksize)
 
 
+def nested_kernel_operands_4bit(q: Weight4bit):
+    """For variants that de-nest in-kernel: packed (N, K/2), the uint8 scale codes (N, K/bs) and
+    (nested_absmax, nested_code, offset); no fp32 scale array, no de-nest kernel before the call."""
+    n, k = q.shape
+    codes = q.absmax.reshape(n, k // q.blocksize)
+    return q.packed.reshape(n, k // 2), codes, (q.nested_absmax, q.nested_code, q.offset)
+
+
 def _variant(name: str):
     from pallas_kernels import registry
 
@@ -74,8 +82,13 @@ def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "
                                      interpret=plan.interpret)
     if plan.backend == "xla":
         return _dot_nt(x, dequantize(q, x.dtype)).astype(out_dtype)
-    fn = _variant(plan.fwd).fn
+    variant = _variant(plan.fwd)
+    fn = variant.fn
     if isinstance(q, Weight4bit):
+        if q.nested and variant.accepts_nested:
+            packed, codes, nested = nested_kernel_operands_4bit(q)
+            return fn(x, packed, codes, q.code, blocksize=q.blocksize, out_dtype=out_dtype,
+                      interpret=plan.interpret, nested=nested)
         packed, absmax = kernel_operands_4bit(q)
         return fn(x, packed, absmax, q.code, blocksize=q.blocksize, out_dtype=out_dtype, interpret=plan.interpret)
     return fn(x, q.cb, q.scb, out_dtype=out_dtype, interpret=plan.interpret)
