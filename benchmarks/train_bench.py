@@ -86,6 +86,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     ids = rng.integers(0, v, (1, 1, seq + 1), dtype=np.int32)
     batch = {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, 1, seq), np.float32),
              "segment_ids": np.ones((1, 1, seq), np.int32), "positions": np.arange(seq, dtype=np.int32)[None, None]}
+    before = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)  # model + optimizer
     t0 = time.perf_counter()
     jax.block_until_ready(train_step(model, opt, batch)["loss"])
     compile_s = time.perf_counter() - t0
@@ -98,7 +99,8 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     step_s = float(np.median(times))
     stats = jax.devices()[0].memory_stats() or {}
     return {"side": "jqlora", "backend": backend, "attention": attention, "step_s": step_s, "tokens_per_s": seq / step_s,
-            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "compile_s": compile_s, "losses": losses}
+            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "resident_gib_before_step": before / 2**30,
+            "compile_s": compile_s, "losses": losses}
 
 
 def run_torch(shape: str, steps: int, seq: int, quantized: bool = True) -> dict:
