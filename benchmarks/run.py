@@ -39,7 +39,10 @@ def _memory_runs(log, backend="pallas"):
     out = {}
     for mode in ("qmatmul", "dense_residuals"):
         cmd = [sys.executable, "-m", "benchmarks.memory_bench", "--mode", mode, "--backend", backend]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        # this process has preallocated most of the GPU: the child must allocate as it goes
+        # (peak_bytes_in_use is unaffected) or it cannot even load its kernels
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = (r.stdout.strip().splitlines() or [""])[-1]
         try:
             out[mode] = json.loads(line)

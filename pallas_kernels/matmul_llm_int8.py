@@ -79,7 +79,10 @@ def quantize_activations_llm_int8(x, threshold: float = 0.0):
     False when threshold <= 0. Rows whose (non-outlier) absmax is 0 give CA = 0 (bnb computes
     127/0 there; its output for such a row is 0 * acc = 0 either way).
     """
-    a = x.astype(jnp.float16)
+    # Fenced: with XLA's default --xla_allow_excess_precision, a GPU fusion may drop the
+    # rounding of an fp32 x to float16 (x.astype(f16).astype(f32) -> x), and then CA differs
+    # from torch's (seen on an H200: 11 of 3400 codes at M=17, fp32 x).
+    a = lax.optimization_barrier(x.astype(jnp.float16))
     absa = jnp.abs(a)
     if threshold > 0.0:
         outl = absa >= jnp.float16(threshold)
@@ -90,9 +93,8 @@ def quantize_activations_llm_int8(x, threshold: float = 0.0):
         cols = jnp.zeros((x.shape[1],), jnp.bool_)
     sca = jnp.max(absa, axis=1).astype(jnp.float32) if x.shape[1] else jnp.zeros(
         (x.shape[0],), jnp.float32)
-    # torch evaluates `127.0 / row_stats` as reciprocal(row_stats) * 127 (two fp32 roundings).
-    # Each is fenced: fused into the int8 GEMM's operand on the GPU, XLA changed CA codes
-    # (11 of 3400 at M=17, H200) where the standalone computation matched torch.
+    # torch evaluates `127.0 / row_stats` as reciprocal(row_stats) * 127 (two fp32 roundings);
+    # each is fenced so no simplification can fold them into one division.
     inv = lax.optimization_barrier(jnp.float32(1.0) / sca)
     inv = lax.optimization_barrier(inv * jnp.float32(127.0))
     q = jnp.round(a.astype(jnp.float32) * inv[:, None])  # round half to even, like torch.round
@@ -124,13 +126,17 @@ def _check_inputs(name, x, cb, scb):
         raise ValueError(f"{name}: x must be floating point, got {x.dtype}")
 
 
-def _finish(main_f32, outlier_f32, x_dtype, out_dtype, fp16_first):
-    """main (fp32, incl. bias) -> [fp16] -> x.dtype; + outlier product (fp32) -> x.dtype -> out."""
+def _finish(main_f32, outlier_f32, x_dtype, out_dtype, fp16_first, fence=lambda a: a):
+    """main (fp32, incl. bias) -> [fp16] -> x.dtype; + outlier product (fp32) -> x.dtype -> out.
+
+    `fence` keeps each intermediate rounding in XLA (the reference passes an optimization
+    barrier: with excess precision allowed, a GPU fusion may skip rounding y to x.dtype before
+    the outlier add, 1-4 ulp off bitsandbytes; Triton keeps the roundings by itself)."""
     if fp16_first:
-        main_f32 = main_f32.astype(jnp.float16)
-    y = main_f32.astype(x_dtype)
+        main_f32 = fence(main_f32.astype(jnp.float16))
+    y = fence(main_f32.astype(x_dtype))
     if outlier_f32 is not None:
-        y = (y.astype(jnp.float32) + outlier_f32).astype(x_dtype)
+        y = fence((y.astype(jnp.float32) + outlier_f32).astype(x_dtype))
     return y.astype(out_dtype)
 
 
@@ -146,9 +152,6 @@ def llm_int8_matmul_reference(x, cb, scb, *, threshold=0.0, out_dtype=None, inte
     _check_inputs("llm_int8_matmul_reference", x, cb, scb)
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     ca, sca, cols = quantize_activations_llm_int8(x, threshold)
-    # Materialize CA: on an H200, XLA fused the quantization into its int8 GEMM's operand and 11
-    # of 3400 codes came out different from the standalone computation (torch's).
-    ca = lax.optimization_barrier(ca)
     acc = lax.dot_general(ca, cb, _NT, preferred_element_type=jnp.int32)
     main = acc.astype(jnp.float32) * (sca[:, None] * scb.astype(jnp.float32)[None, :])
     main = main * jnp.float32(dequant_constant) + _prepare_bias(bias, x.dtype, cb.shape[0])[None]
@@ -158,7 +161,7 @@ def llm_int8_matmul_reference(x, cb, scb, *, threshold=0.0, out_dtype=None, inte
         w = dequantize_int8_vectorwise_reference(cb, scb, x.dtype)
         outl = lax.dot_general(xo, w, _NT, precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
-    return _finish(main, outl, x.dtype, out_dtype, fp16_first)
+    return _finish(main, outl, x.dtype, out_dtype, fp16_first, fence=lax.optimization_barrier)
 
 
 # ----------------------------------------------------------------------------- kernel

@@ -24,11 +24,11 @@ def quantize_int8(w: jax.Array, threshold: float = 0.0) -> Int8Weight:
     w = jnp.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"int8 quantization takes a 2-D (out, in) weight, got shape {w.shape}")
-    w16 = w.astype(jnp.float16).astype(jnp.float32)
+    # fenced: XLA's excess-precision rule may otherwise drop the float16 rounding inside a fusion
+    w16 = jax.lax.optimization_barrier(w.astype(jnp.float16)).astype(jnp.float32)
     scb = jnp.max(jnp.abs(w16), axis=1)
     # torch evaluates 127.0 / SCB as reciprocal(SCB) * 127: one more rounding, which decides
-    # exact .5 ties; copy it so CB matches bitsandbytes bit for bit. Each rounding is fenced:
-    # fused into a consumer on the GPU, XLA otherwise folds the pair into one division.
+    # exact .5 ties; copy it so CB matches bitsandbytes bit for bit (each rounding fenced).
     inv = torch_style_inverse_127(scb)
     scaled = w16 * inv[:, None]
     cb = jnp.where(scb[:, None] > 0, jnp.round(scaled), 0.0).astype(jnp.int8)

@@ -1,0 +1,88 @@
+"""Small-M NF4 sweep (M = 1 and 16): `qmatmul` as dispatched against `splitk_small_m` configs.
+
+    OUT=/tmp/out SWEEP_BUDGET=100 python -m benchmarks.small_m_sweep
+
+For researchers tuning the small-M kernel: the weights are double-quantized (NF4, bs 64) and the
+kernel de-nests in-kernel, as `qmatmul` does. Each record is one JSON line on stdout (device time
+per product, weight streamed from HBM; see benchmarks/timing.py); all of them also go to
+$OUT/small_m_sweep.json. SWEEP_BUDGET (seconds) caps the configs tried per (shape, M) after the
+budget is spent. Results from an H200: benchmarks/results/nvidia-h200-2026-11-21_small_m_sweep.json.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.timing import jax_device_ms, l2_defeating_copies
+from jqlora import ops, quant
+from jqlora.ops.products import nested_kernel_operands_4bit
+from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
+
+SHAPES_KN = ((4096, 4096), (14336, 4096))
+
+
+def _grid(m: int, k: int) -> list[dict]:
+    if m == 1:
+        grid = [dict(block_n=bn, block_k=bk, splits=sp, num_warps=nw, reduce_at_end=re)
+                for bn, bk, sp, nw, re in itertools.product(
+                    (8, 16, 32), (256, 1024), (None, 1), (2, 4, 8), (False, True))]
+    else:
+        grid = [dict(block_n=bn, block_k=bk, num_warps=nw)
+                for bn, bk, nw in itertools.product((16, 32, 64), (128, 256), (4, 8))]
+    return grid if k == 4096 else grid[::4]
+
+
+def _us_per_product(fn, args, copies):
+    try:
+        return jax_device_ms(fn, *args, iterations=10) / copies * 1e3
+    except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def main():
+    out_dir = os.environ.get("OUT", "/tmp")
+    budget = float(os.environ.get("SWEEP_BUDGET", "100"))
+    records = []
+
+    def record(**kw):
+        records.append(kw)
+        print(json.dumps(kw), flush=True)
+
+    t0 = time.time()
+    for k, n in SHAPES_KN:
+        copies = l2_defeating_copies(n * k // 2)
+        dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
+                 for i in range(copies)]
+        qs = [quant.quantize_4bit(w, "nf4", 64, True) for w in dense]
+        dense_copies = l2_defeating_copies(n * k * 2)
+        for m in (1, 16):
+            x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
+            cell = dict(k=k, n=n, m=m)
+            record(**cell, what="bf16 dot", us=_us_per_product(
+                lambda x, ws: [x @ w.T for w in ws], (x, dense[:dense_copies]), dense_copies))
+            for backend in ("pallas", "xla"):
+                record(**cell, what=f"qmatmul {backend}", us=_us_per_product(
+                    lambda x, qs, b=backend: [ops.qmatmul(x, q, backend=b) for q in qs],
+                    (x, qs), copies))
+            for cfg in _grid(m, k):
+                def run(x, qs, cfg=cfg):
+                    outs = []
+                    for q in qs:
+                        packed, codes, nested = nested_kernel_operands_4bit(q)
+                        outs.append(matmul_4bit_small_m(x, packed, codes, q.code, blocksize=64,
+                                                        nested=nested, **cfg))
+                    return outs
+                record(**cell, what="nested kernel", cfg=cfg, us=_us_per_product(run, (x, qs), copies))
+                if time.time() - t0 > budget:
+                    break
+    with open(os.path.join(out_dir, "small_m_sweep.json"), "w") as f:
+        json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
