@@ -21,11 +21,15 @@ SMALL_M = 64  # at or below this many rows the product is bandwidth-bound: strea
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
 # (2.6-3.2x bf16), a transient dequant + cuBLAS GEMM is 1.13-1.17x; the dense tile lives for one
-# call only, never as a residual. Small M streams the packed weight once.
+# call only, never as a residual. Small M streams the packed weight once in the forward. The
+# small-M backward is dequant_dot_t too: in the 2026-11-21 H200 run the fused in-register twin of
+# the forward (fused_tiled) ran at 4.1-15.5x bf16 at M <= 16 against dequant_dot's 2.2-2.9x, and
+# qmatmul forward+backward with fused_tiled_t at M <= 16 at 2.4-7.2x. dequant_dot_t itself was
+# not timed at small M in that run (benchmarks/results/README.md).
 DEFAULT_4BIT_FWD_LARGE = "dequant_dot"
 DEFAULT_4BIT_FWD_SMALL = "splitk_small_m"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
-DEFAULT_4BIT_BWD_SMALL = "fused_tiled_t"
+DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
 DEFAULT_INT8_FWD = "int8_weight_only"
 DEFAULT_INT8_BWD = "int8_weight_only_t"
 DEFAULT_LLM_INT8 = "llm_int8_tiled"
