@@ -43,6 +43,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -62,6 +63,7 @@ __all__ = [
     "CPU_DEQUANT_CONSTANT",
     "CUDA_DEQUANT_CONSTANT",
     "quantize_activations_llm_int8",
+    "torch_inverse_127_of_f16",
     "llm_int8_matmul",
     "llm_int8_matmul_reference",
     "VARIANTS",
@@ -70,6 +72,23 @@ __all__ = [
 CPU_DEQUANT_CONSTANT = 6.200124e-05  # bnb default/CPU int8_mm_dequant
 CUDA_DEQUANT_CONSTANT = 1.0 / 16129.0  # ~6.200012e-05 (bnb CUDA kernel: 1/127**2)
 _NT = (((1,), (1,)), ((), ()))
+
+
+def torch_inverse_127_of_f16(s16):
+    """torch's `127.0 / s` for float16 values s, as float32, correctly rounded on every backend.
+
+    torch (CPU) evaluates it as fp32 reciprocal(s) * 127, two IEEE roundings, and the result
+    decides exact .5 ties of the codes. Computed by XLA on an H200 (even fenced), it differed
+    from torch's in the last bit: one code of 26,000 came out off by one (x * 127 / s == -63.5
+    in real arithmetic). s holds one of 2**16 float16 values, so the answer is a table lookup,
+    computed by numpy's IEEE float32 at trace time.
+    (Written twice on purpose, also in `jqlora.quant.int8`: pallas_kernels imports nothing of
+    ours; tests hold both to torch bit for bit.)"""
+    s = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        table = (np.float32(1.0) / s) * np.float32(127.0)
+    bits = lax.bitcast_convert_type(s16.astype(jnp.float16), jnp.uint16).astype(jnp.int32)
+    return jnp.asarray(table)[bits]
 
 
 def quantize_activations_llm_int8(x, threshold: float = 0.0):
@@ -91,12 +110,9 @@ def quantize_activations_llm_int8(x, threshold: float = 0.0):
         absa = jnp.where(outl, jnp.float16(0), absa)
     else:
         cols = jnp.zeros((x.shape[1],), jnp.bool_)
-    sca = jnp.max(absa, axis=1).astype(jnp.float32) if x.shape[1] else jnp.zeros(
-        (x.shape[0],), jnp.float32)
-    # torch evaluates `127.0 / row_stats` as reciprocal(row_stats) * 127 (two fp32 roundings);
-    # each is fenced so no simplification can fold them into one division.
-    inv = lax.optimization_barrier(jnp.float32(1.0) / sca)
-    inv = lax.optimization_barrier(inv * jnp.float32(127.0))
+    amax = jnp.max(absa, axis=1) if x.shape[1] else jnp.zeros((x.shape[0],), jnp.float16)
+    sca = amax.astype(jnp.float32)
+    inv = torch_inverse_127_of_f16(amax)
     q = jnp.round(a.astype(jnp.float32) * inv[:, None])  # round half to even, like torch.round
     q = jnp.where((sca > 0)[:, None], q, 0.0)
     ca = q.astype(jnp.int8)
@@ -110,7 +126,9 @@ def _prepare_bias(bias, x_dtype, n):
         return jnp.zeros((n,), jnp.float32)
     if bias.shape != (n,):
         raise ValueError(f"llm_int8_matmul: bias must have shape ({n},), got {bias.shape}")
-    return bias.astype(x_dtype).astype(jnp.float32)
+    # fenced: XLA GPU drops an f32 -> x.dtype -> f32 round trip under excess precision (seen on
+    # an H200: the bias kept its fp32 bits, up to half an ulp of x.dtype off bitsandbytes)
+    return lax.optimization_barrier(bias.astype(x_dtype)).astype(jnp.float32)
 
 
 def _check_inputs(name, x, cb, scb):
@@ -158,7 +176,9 @@ def llm_int8_matmul_reference(x, cb, scb, *, threshold=0.0, out_dtype=None, inte
     outl = None
     if threshold > 0.0:
         xo = jnp.where(cols[None, :], x, jnp.zeros((), x.dtype))
-        w = dequantize_int8_vectorwise_reference(cb, scb, x.dtype)
+        # fenced: at M = 1 XLA GPU fuses the weight into a reduction and skips its rounding to
+        # x.dtype (seen on an H200); bitsandbytes multiplies by the x.dtype weight
+        w = lax.optimization_barrier(dequantize_int8_vectorwise_reference(cb, scb, x.dtype))
         outl = lax.dot_general(xo, w, _NT, precision=lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
     return _finish(main, outl, x.dtype, out_dtype, fp16_first, fence=lax.optimization_barrier)

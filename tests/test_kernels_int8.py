@@ -402,6 +402,23 @@ def bnb():
     return torch, bnb
 
 
+@pytest.mark.torch
+def test_inverse_127_matches_torch_for_every_float16():
+    """`127.0 / s` decides exact .5 ties of the int8 codes; torch computes it as fp32
+    reciprocal * 127. Both copies of the lookup (kernels and jqlora.quant) must equal torch for
+    every positive finite float16 s, jitted (the GPU's division is not correctly rounded)."""
+    torch = pytest.importorskip("torch")
+    from jqlora.quant.int8 import torch_style_inverse_127
+
+    s16 = np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16)  # all positive finite float16
+    want = (127.0 / torch.from_numpy(s16.astype(np.float32))).numpy()
+    for fn in (ml.torch_inverse_127_of_f16, torch_style_inverse_127):
+        got = np.asarray(jax.jit(fn)(jnp.asarray(s16)))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=fn.__name__)
+    # and torch's value is not the correctly rounded quotient for some s (the test has teeth)
+    assert np.any((np.float32(127.0) / s16.astype(np.float32)) != want)
+
+
 def _bnb_linear(torch, bnb, threshold, seed=0):
     g = torch.Generator().manual_seed(seed)
     w16 = torch.randn(N, K, generator=g).to(torch.float16)

@@ -12,9 +12,16 @@ INV_127 = 7.874015718698502e-3
 
 
 def torch_style_inverse_127(s: jax.Array) -> jax.Array:
-    """torch's `127.0 / s`: fp32 reciprocal, then * 127 (two roundings, kept under jit)."""
-    r = jax.lax.optimization_barrier(jnp.float32(1.0) / s)
-    return jax.lax.optimization_barrier(r * jnp.float32(127.0))
+    """torch's `127.0 / s` for s holding float16 values: fp32 reciprocal, then * 127 (two IEEE
+    roundings). This value decides exact .5 ties of the codes, and XLA's GPU value of it differed
+    from torch's in the last bit (H200), so it is looked up in a table of all 2**16 float16
+    values computed by numpy's IEEE float32 (the same table as
+    `pallas_kernels.matmul_llm_int8.torch_inverse_127_of_f16`; this package imports no kernels)."""
+    table_in = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        table = (np.float32(1.0) / table_in) * np.float32(127.0)
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(s).astype(jnp.float16), jnp.uint16)
+    return jnp.asarray(table)[bits.astype(jnp.int32)]
 
 
 def quantize_int8(w: jax.Array, threshold: float = 0.0) -> Int8Weight:
