@@ -154,14 +154,14 @@ def jax_states(model, ids: np.ndarray) -> dict:
     """Same keys as `torch_states`, from a jqlora CausalLM (eval mode, no cache)."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
+    from jqlora.train.frozen_jit import frozen_jit
 
     def fwd(m, x):
         logits, states = m(x, return_states=True)
         return states["embed"], states["layers"], states["norm"], logits
 
     model.eval()  # no LoRA dropout (the caller's model stays in eval mode)
-    embed, layers, normed, logits = nnx.jit(fwd)(model, jnp.asarray(ids, jnp.int32))
+    embed, layers, normed, logits = frozen_jit(fwd)(model, jnp.asarray(ids, jnp.int32))
     n = len(model.model.layers)
     if len(layers) != n:
         raise RuntimeError(f"got {len(layers)} decoder-layer outputs, the model has {n} layers")

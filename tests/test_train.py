@@ -552,3 +552,58 @@ def test_remat_flag_uses_model_hook():
     assert m.remat == "dots"
     with pytest.warns(UserWarning, match="no set_remat"):
         T.loop._apply_remat(StubLM(), True)
+
+
+# ------------------------------------------------------------------------------------------------
+# the compiled step keeps frozen weights out of its outputs
+# ------------------------------------------------------------------------------------------------
+
+def _quantized_llama_and_opt():
+    from jqlora import lora, models
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    params = models.init_params(cfg, seed=0, std=0.1)
+    m = models.from_params(params, cfg, quantize="nf4", compute_dtype=jnp.float32, remat=True,
+                           lora=lora.LoraConfig(rank=4), rngs=nnx.Rngs(0))
+    for _, layer in lora.named_linears(m):
+        if layer.has_lora:
+            layer.lora_B.set_value(jnp.full(layer.lora_B.shape, 0.01))
+    return m, nnx.Optimizer(m, T.make_optimizer(1e-2, 1, 10), wrt=nnx.LoRAParam)
+
+
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def test_train_step_outputs_exclude_frozen_weights_and_match_nnx_jit():
+    from jqlora.lora.linear import FrozenParam
+    from jqlora.train.loop import _train_step_impl, train_step
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 128, (1, 2, 17)).astype(np.int32)
+    batch = {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, 2, 16), np.float32),
+             "segment_ids": np.ones((1, 2, 16), np.int32),
+             "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (1, 2, 16)).copy()}
+    model, opt = _quantized_llama_and_opt()
+    frozen = nnx.state((model, opt), FrozenParam)
+    mutable = nnx.state((model, opt), nnx.Not(FrozenParam))
+    assert _nbytes(frozen) > 3 * _nbytes(nnx.state(model, nnx.LoRAParam))  # the test means something
+    lowered = train_step.lower(model, opt, batch)
+    new_state_info, metrics_info = lowered.out_info
+    # outputs: exactly the non-frozen state plus four scalars, not one frozen array
+    assert _nbytes(lowered.out_info) == _nbytes(mutable) + _nbytes(metrics_info)
+    assert _nbytes(new_state_info) == _nbytes(mutable)
+
+    ref_model, ref_opt = _quantized_llama_and_opt()
+    want = nnx.jit(_train_step_impl)(ref_model, ref_opt, batch)
+    got = train_step(model, opt, batch)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)),
+                    jax.tree.leaves(nnx.state(ref_model, nnx.LoRAParam))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # frozen weights are untouched and still usable (never donated)
+    for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(nnx.state((model, opt), FrozenParam))):
+        assert a is b and not a.is_deleted()
+    # a second step reuses the compiled function and keeps training
+    again = train_step(model, opt, batch)
+    assert float(again["loss"]) < float(got["loss"])

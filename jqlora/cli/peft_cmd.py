@@ -156,10 +156,9 @@ def import_adapter(adapter, model_path=None, *, tokens: int = 16, dtype: str = "
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
-
     from jqlora import adapters, models
     from jqlora.lora import lora_scale
+    from jqlora.train.frozen_jit import frozen_jit
 
     lora_cfg, params, raw = adapters.load_adapter(adapter)
     if model_path is None:
@@ -172,7 +171,7 @@ def import_adapter(adapter, model_path=None, *, tokens: int = 16, dtype: str = "
     model, report, _ = adapters.load_model_with_adapter(model_path, adapter, compute_dtype=cdt)
     base_model = models.load_causal_lm(model_path, compute_dtype=cdt)
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, max(1, tokens)))
-    fwd = nnx.jit(lambda m, x: m(x))
+    fwd = frozen_jit(lambda m, x: m(x))  # the weights stay inputs only (no output copy)
     model.eval()
     y1 = np.asarray(jax.device_get(fwd(model, jnp.asarray(ids)).astype(jnp.float32)))
     y0 = np.asarray(jax.device_get(fwd(base_model, jnp.asarray(ids)).astype(jnp.float32)))

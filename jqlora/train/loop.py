@@ -1,7 +1,7 @@
 """The training loop: LoRA-only gradients, grad accumulation, NaN guard, logging, checkpoints.
 
 One training step = ``grad_accum`` micro-batches of ``batch_size`` rows, one optimizer update.
-Inside one ``nnx.jit``-compiled step the model is split into (LoRA params | RNG state | everything
+Inside one compiled step (:func:`frozen_jit`) the model is split into (LoRA params | RNG state | everything
 else); ``jax.value_and_grad`` differentiates only the LoRA part (frozen weights get no gradient and
 no optimizer state), and a ``lax.scan`` over the micro-batches sums the masked fp32 cross-entropy,
 the loss-token count and the gradients; the sums are divided by the token count once, so the
@@ -34,6 +34,7 @@ import optax
 from flax import nnx
 
 from .checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+from .frozen_jit import frozen_jit
 from .data import (BatchIterator, Example, check_tokenizer_fits, load_jsonl, load_tokenizer,
                    parse_example, special_tokens, tokenize_examples)
 from .optim import make_optimizer, make_schedule
@@ -135,40 +136,51 @@ def _global_norm(tree):
     return tree_norm(tree) if tree_norm is not None else optax.global_norm(tree)
 
 
-LOSS_CHUNK = 512  # tokens per chunk of the LM head + cross-entropy
+LOSS_CHUNK = 256  # tokens per chunk of the LM head + cross-entropy (H200, 8B plan: 256 needs 1.7 GiB less than 512)
 
 
 def chunked_cross_entropy(lm_logits, h, targets, mask, chunk: int = LOSS_CHUNK):
-    """masked_cross_entropy(lm_logits(h), ...) without ever holding all (B, T, vocab) logits:
-    the sequence is cut into chunks whose logits are recomputed in the backward pass
-    (jax.checkpoint), so at most one chunk of logits (and of their gradient) is alive. For a
-    128k vocabulary at 2048 tokens that is ~2 GB less peak memory in float32."""
-    t = h.shape[1]
+    """masked_cross_entropy(lm_logits(h), ...) without ever holding all (B, T, vocab) logits.
+
+    The sequence is cut into chunks (the last one padded with masked tokens) and a `lax.scan`
+    applies the LM head + loss to one chunk at a time; each chunk's logits are recomputed in the
+    backward pass (jax.checkpoint). The scan makes "one chunk alive" a guarantee rather than a
+    scheduling accident: with independent per-chunk calls XLA may overlap several chunks. For a
+    128k vocabulary at 2048 tokens the full float32 logits alone would be 1 GB."""
+    b, t = targets.shape
     if t <= chunk:
         return masked_cross_entropy(lm_logits(h), targets, mask)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    if pad:
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        mask = jnp.pad(mask, ((0, 0), (0, pad)))  # padded tokens carry no loss
+    chunks = lambda a: jnp.swapaxes(a.reshape(b, n, chunk, *a.shape[2:]), 0, 1)  # noqa: E731
 
     @jax.checkpoint
     def part(hc, tc, mc):
         return masked_cross_entropy(lm_logits(hc), tc, mc)
 
-    total, count = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-    for start in range(0, t, chunk):
-        sl = slice(start, min(t, start + chunk))
-        s_, n_ = part(h[:, sl], targets[:, sl], mask[:, sl])
-        total, count = total + s_, count + n_
+    def body(carry, xs):
+        s_, n_ = part(*xs)
+        return (carry[0] + s_, carry[1] + n_), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (total, count), _ = jax.lax.scan(body, (zero, zero), (chunks(h), chunks(targets), chunks(mask)))
     return total, count
 
 
-def _forward_sums(model, batch):
+def _forward_sums(model, batch, loss_chunk: int = LOSS_CHUNK):
     kw = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
     if hasattr(model, "lm_logits"):  # jqlora CausalLM: chunked LM head + loss
         h = model(batch["input_ids"], return_hidden=True, **kw)
-        return chunked_cross_entropy(model.lm_logits, h, batch["targets"], batch["loss_mask"])
+        return chunked_cross_entropy(model.lm_logits, h, batch["targets"], batch["loss_mask"], loss_chunk)
     logits = model(batch["input_ids"], **kw)
     return masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
 
 
-def _train_step_impl(model, optimizer, batches):
+def _train_step_impl(model, optimizer, batches, *, loss_chunk: int = LOSS_CHUNK):
     graphdef, lora, rngs, rest = nnx.split(model, nnx.LoRAParam, nnx.RngState, ...)
     old_lora = nnx.as_pure(lora)
     old_opt = nnx.as_pure(nnx.state(optimizer))
@@ -176,7 +188,7 @@ def _train_step_impl(model, optimizer, batches):
     def micro(lora_, rngs_, mb):
         # copy=True: fresh Variables at this trace level (dropout mutates the RNG counts)
         m = nnx.merge(graphdef, lora_, rngs_, rest, copy=True)
-        s, n = _forward_sums(m, mb)
+        s, n = _forward_sums(m, mb, loss_chunk)
         return s, (n, nnx.state(m, nnx.RngState))
 
     grad_fn = jax.value_and_grad(micro, has_aux=True)  # w.r.t. the LoRA state only
@@ -208,14 +220,18 @@ def _train_step_impl(model, optimizer, batches):
     return {"loss": loss, "grad_norm": grad_norm, "ntokens": nsum, "ok": ok}
 
 
-train_step = nnx.jit(_train_step_impl)
-train_step.__doc__ = """``train_step(model, optimizer, batches) -> metrics`` (nnx.jit).
+# frozen_jit, not nnx.jit: the frozen weights stay inputs only (nnx.jit would copy the whole model
+# into its outputs every step); the LoRA params and optimizer state are donated and updated in place.
+train_step = frozen_jit(_train_step_impl, nodes=2, donate=True)
+train_step.__doc__ = """``train_step(model, optimizer, batches) -> metrics`` (compiled with `frozen_jit`).
 
 ``batches``: dict of arrays shaped ``(grad_accum, batch, seq_len)``. Returns device scalars
 ``loss`` (mean CE over loss tokens), ``grad_norm`` (before clipping), ``ntokens`` (loss tokens),
 ``ok``. Updates the model (LoRA params, RNG state) and the optimizer in place, unless not ok, in
 which case both keep their previous values. Compiled once per model structure/optimizer/shape
-(``make_optimizer`` is memoized so equal configs share the compiled step)."""
+(``make_optimizer`` is memoized so equal configs share the compiled step). The LoRA params and
+optimizer state are donated: arrays of them taken out of the model before a step are invalid after
+it (copy them first, e.g. ``jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))``)."""
 
 
 def make_train_step():
@@ -223,9 +239,11 @@ def make_train_step():
     return train_step
 
 
-@nnx.jit
-def _eval_step(model, batch):
+def _eval_step_impl(model, batch):
     return _forward_sums(model, batch)
+
+
+_eval_step = frozen_jit(_eval_step_impl)
 
 
 def evaluate(model, batches, *, max_batches: int | None = None) -> float:
