@@ -2,7 +2,7 @@
 # Everything a GPU session needs, in as few device calls as possible (device time is scarce).
 #   bash benchmarks/gpu_session.sh tests   # compiled-kernel correctness suite (~3-4 min)
 #   bash benchmarks/gpu_session.sh bench   # benchmark tables + dequant + memory proof (~5 min)
-#   bash benchmarks/gpu_session.sh train   # end-to-end QLoRA step, jqlora vs torch, 1B shape
+#   bash benchmarks/gpu_session.sh train [1b|8b]  # end-to-end QLoRA step, jqlora vs torch (~2 / ~8 min)
 # Carry `.whl` (bitsandbytes wheel, see shared/GPU.md). Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/jqlora-out}
@@ -20,7 +20,8 @@ case "${1:-tests}" in
     timeout 450 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 250 \
       --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  M=" | tail -20 ;;
   train)
-    timeout 200 python3 -m benchmarks.train_bench --side jax --attention cudnn --shape 1b --steps 5 | tee -a "$OUT/train_1b.jsonl"
-    timeout 200 python3 -m benchmarks.train_bench --side jax --attention einsum --shape 1b --steps 5 | tee -a "$OUT/train_1b.jsonl"
-    timeout 200 python3 -m benchmarks.train_bench --side torch --shape 1b --steps 5 | tee -a "$OUT/train_1b.jsonl" ;;
+    # end-to-end QLoRA step, both sides in this one call (protocol); `train 8b` for the 8B shape
+    shape=${2:-1b}
+    timeout 280 python3 -m benchmarks.train_bench --side jax --attention cudnn --shape "$shape" --steps 5 | tee -a "$OUT/train_$shape.jsonl"
+    timeout 300 python3 -m benchmarks.train_bench --side torch --shape "$shape" --steps 5 | tee -a "$OUT/train_$shape.jsonl" ;;
 esac

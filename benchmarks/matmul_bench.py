@@ -40,8 +40,11 @@ def jax_contenders(variants: list[str]):
     c = {"jnp.dot bf16": ("dense", dense),
          "jnp dequant + dot (xla)": ("nf4", lambda x, q: ops.qmatmul(x, q, backend="xla")),
          "qmatmul pallas (auto plan)": ("nf4", lambda x, q: ops.qmatmul(x, q, backend="pallas"))}
-    for name in variants:
-        c[f"variant {name}"] = ("nf4", lambda x, q, name=name: ops.qmatmul(x, q, backend="pallas", variant=name))
+    from pallas_kernels import registry
+
+    for name in variants:  # matmul_4bit variants run on the NF4 weight, matmul_int8 ones on INT8
+        kind = "int8" if registry.get(name).op == "matmul_int8" else "nf4"
+        c[f"variant {name}"] = (kind, lambda x, q, name=name: ops.qmatmul(x, q, backend="pallas", variant=name))
     c["int8 jnp dequant + dot (xla)"] = ("int8", lambda x, q: ops.qmatmul(x, q, backend="xla"))
     c["int8 qmatmul pallas"] = ("int8", lambda x, q: ops.qmatmul(x, q, backend="pallas"))
     return c

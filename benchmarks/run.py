@@ -121,7 +121,8 @@ def main(argv=None):
     skip = set(filter(None, a.skip.split(",")))
     shapes = matmul_bench.SHAPES_KN if a.shapes == "all" else tuple(
         tuple(int(v) for v in s.split("x")) for s in a.shapes.split(","))
-    variants = [v.name for v in registry.for_op("matmul_4bit")] if a.variants == "all" else []
+    variants = ([v.name for op in ("matmul_4bit", "matmul_int8") for v in registry.for_op(op)]
+                if a.variants == "all" else [])
     res = {"device": device_name(), "date": datetime.date.today().isoformat(), "versions": versions(),
            "variants": [v.name for v in registry.all_variants()], "matmul": []}
     variant_ms = {int(v) for v in (a.variant_ms or a.ms).split(",")}

@@ -1,0 +1,39 @@
+"""A few calls of the small-M NF4 `qmatmul` (or the bf16 `jnp.dot`), for Nsight Compute.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:matmul_4bit_splitk \
+        --launch-skip 2 --launch-count 1 --set detailed python -m benchmarks.profile_small_m q 1
+
+Without preallocation off, ncu cannot save and restore device memory for kernel replay.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jqlora import ops, quant
+
+    args = sys.argv[1:] if argv is None else argv
+    mode, m = args[0], int(args[1])
+    k, n = (int(args[2]), int(args[3])) if len(args) > 3 else (4096, 14336)
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.standard_normal((m, k), np.float32).astype(jnp.bfloat16))
+    if mode == "q":
+        w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
+        q = quant.quantize_4bit(w, "nf4", 64, True)
+        f = jax.jit(lambda x: ops.qmatmul(x, q, backend="pallas"))
+    elif mode == "dense":
+        w = jax.device_put((rng.standard_normal((n, k), np.float32) * 0.02).astype(jnp.bfloat16))
+        f = jax.jit(lambda x: jnp.dot(x, w.T))
+    else:
+        raise SystemExit(f"mode must be 'q' or 'dense', got {mode!r}")
+    for _ in range(5):
+        jax.block_until_ready(f(x))
+
+
+if __name__ == "__main__":
+    main()
