@@ -23,8 +23,10 @@ SHAPES = {
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def hf_config(shape: str) -> dict:
+def hf_config(shape: str, layers: int | None = None) -> dict:
     c = dict(SHAPES[shape])
+    if layers is not None:
+        c["num_hidden_layers"] = layers
     c.update(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
              max_position_embeddings=8192, hidden_act="silu", attention_bias=False, mlp_bias=False,
              torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
@@ -48,8 +50,9 @@ def flops_per_token(c: dict, seq: int) -> float:
     return 2 * (2 * n + head) + 3 * attn
 
 
-def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum"):
-    """The jqlora side's model, optimizer and one batch (random weights, quantized on device)."""
+def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", layers: int | None = None):
+    """The jqlora side's model, optimizer and one batch (random weights, quantized on device);
+    `layers` overrides the shape's layer count."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -60,7 +63,7 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum"):
     from jqlora.models import from_params
     from jqlora.train.optim import make_optimizer
 
-    c = hf_config(shape)
+    c = hf_config(shape, layers)
     h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     qd, kvd = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     key = jax.random.key(0)
@@ -99,20 +102,21 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     from jqlora.train.frozen_jit import frozen_jit
     from jqlora.train.loop import LOSS_CHUNK, _train_step_impl, train_step
 
+    step = train_step
     if loss_chunk is not None and loss_chunk != LOSS_CHUNK:  # the library's step, another chunk
-        train_step = frozen_jit(functools.partial(_train_step_impl, loss_chunk=loss_chunk), nodes=2, donate=True)
+        step = frozen_jit(functools.partial(_train_step_impl, loss_chunk=loss_chunk), nodes=2, donate=True)
     model, opt, batch = build_jax(shape, seq, backend, attention)
     built = jax.devices()[0].memory_stats() or {}
     # JAX cannot reset its peak counter: the build's own peak is recorded, so a reader can check
     # that the reported peak is the step's and not the weight generation's.
     before, build_peak = built.get("bytes_in_use", 0), built.get("peak_bytes_in_use", 0)
     t0 = time.perf_counter()
-    jax.block_until_ready(train_step(model, opt, batch)["loss"])
+    jax.block_until_ready(step(model, opt, batch)["loss"])
     compile_s = time.perf_counter() - t0
     times, losses = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        m = train_step(model, opt, batch)
+        m = step(model, opt, batch)
         losses.append(float(m["loss"]))
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))

@@ -45,11 +45,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     a = p.parse_args(argv)
-    shapes = dict(tb.SHAPES)
-    shapes["plan"] = dict(tb.SHAPES[a.shape], num_hidden_layers=a.layers)
-    tb.SHAPES = shapes
     att = "cudnn" if jax.default_backend() == "gpu" else "einsum"
-    model, opt, batch = tb.build_jax("plan", a.seq, "auto", att)
+    model, opt, batch = tb.build_jax(a.shape, a.seq, "auto", att, layers=a.layers)
     scan_chunked = loop.chunked_cross_entropy
     gib = 2**30
     try:

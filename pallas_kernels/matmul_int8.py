@@ -97,6 +97,14 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _output_tiles(m: int, n: int, k: int, block_m, block_n, block_k):
+    """(bm, bn, bk) of the (M tiles, N tiles) kernels with a K loop: the caller's blocks, checked,
+    or defaults from the problem size (shared by the weight-only and LLM.int8 kernels)."""
+    return (_check_block("block_m", block_m or _clamp_block(m, 16, 128)),
+            _check_block("block_n", block_n or _clamp_block(n, 16, 128)),
+            _check_block("block_k", block_k or _clamp_block(k, 32, 64)))
+
+
 def _pad2(a, rows: int, cols: int):
     pr, pc = rows - a.shape[0], cols - a.shape[1]
     if pr == 0 and pc == 0:
@@ -210,9 +218,7 @@ def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogu
     n = cb.shape[0]
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
-    bm = _check_block("block_m", block_m or _clamp_block(m, 16, 128))
-    bn = _check_block("block_n", block_n or _clamp_block(n, 16, 128))
-    bk = _check_block("block_k", block_k or _clamp_block(k, 32, 64))
+    bm, bn, bk = _output_tiles(m, n, k, block_m, block_n, block_k)
     mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
     nk = kp // bk
     xp = _pad2(x, mp, kp)

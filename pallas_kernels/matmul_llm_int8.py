@@ -49,8 +49,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.matmul_int8 import (
     INV127,
-    _check_block,
-    _clamp_block,
+    _output_tiles,
     _pad2,
     _precision,
     _round_up,
@@ -245,9 +244,7 @@ def llm_int8_matmul(x, cb, scb, *, threshold=0.0, out_dtype=None, interpret=Fals
     n = cb.shape[0]
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
-    bm = _check_block("block_m", block_m or _clamp_block(m, 16, 128))
-    bn = _check_block("block_n", block_n or _clamp_block(n, 16, 128))
-    bk = _check_block("block_k", block_k or _clamp_block(k, 32, 64))
+    bm, bn, bk = _output_tiles(m, n, k, block_m, block_n, block_k)
     if bk < 32:
         raise ValueError(f"llm_int8_matmul: block_k={bk} must be >= 32 for int8 tiles")
     mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)

@@ -70,19 +70,18 @@ def make_split(n_train: int, n_heldout: int, seed: int = 0, min_len: int = 3, ma
     """Distinct training strings and held-out strings that never occur in the training split."""
     rng = np.random.default_rng(np.random.SeedSequence([seed, 1234]))
     seen: set[str] = set()
-    train: list[str] = []
-    while len(train) < n_train:
-        for s in random_strings(n_train, rng, min_len, max_len):
-            if s not in seen and len(train) < n_train:
-                seen.add(s)
-                train.append(s)
-    heldout: list[str] = []
-    while len(heldout) < n_heldout:
-        for s in random_strings(n_heldout, rng, min_len, max_len):
-            if s not in seen and len(heldout) < n_heldout:
-                seen.add(s)
-                heldout.append(s)
-    return Split(train, heldout)
+
+    def fresh(n: int) -> list[str]:  # n strings not drawn before (by either split)
+        out: list[str] = []
+        while len(out) < n:
+            for s in random_strings(n, rng, min_len, max_len):
+                if s not in seen and len(out) < n:
+                    seen.add(s)
+                    out.append(s)
+        return out
+
+    train = fresh(n_train)
+    return Split(train, fresh(n_heldout))
 
 
 def reverse_example(s: str) -> dict:
