@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import matmul_int8 as mi
+from pallas_kernels import matmul_int8_gemv as mg
 from pallas_kernels import matmul_llm_int8 as ml
 from pallas_kernels.registry import OPS, Variant
 
@@ -39,7 +40,7 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 MS = [1, 3, 17, 64, 130]
 N, K = 72, 200  # not multiples of any tile
 EPS32 = float(np.finfo(np.float32).eps)
-ALL_VARIANTS = mi.VARIANTS + ml.VARIANTS
+ALL_VARIANTS = mi.VARIANTS + mg.VARIANTS + ml.VARIANTS
 VARIANT = {v.name: v for v in ALL_VARIANTS}
 
 
@@ -219,6 +220,7 @@ def test_llm_int8_reference_vs_numpy_float64(dtype, m, threshold):
 # once, with the dtype rotating, to keep CI time down (each case compiles a kernel: ~1 s).
 _FULL = {("int8_weight_only", None), ("int8_weight_only_t", None), ("llm_int8_tiled", 6.0)}
 _PARTIAL = [("int8_weight_only_dq", None), ("int8_weight_only_splitk", None),
+            ("int8_weight_only_gemv", None),
             ("llm_int8_tiled", 0.0), ("llm_int8_tiled_skip", 6.0)]
 
 
@@ -323,6 +325,12 @@ def test_input_errors_are_clear():
         ml.llm_int8_matmul(jnp.zeros((3, K)), cb, scb[:5], threshold=0.0, interpret=True)
     with pytest.raises(ValueError, match="M=65 > 64"):
         mi.matmul_int8_splitk(jnp.zeros((65, K)), cb, scb, interpret=True)
+    with pytest.raises(ValueError, match="M=5 > 4"):
+        mg.matmul_int8_gemv(jnp.zeros((5, K)), cb, scb, interpret=True)
+    with pytest.raises(ValueError, match="splits=3 must divide"):
+        mg.matmul_int8_gemv(jnp.zeros((1, K)), cb, scb, block_k=32, splits=3, interpret=True)
+    with pytest.raises(ValueError, match="block_n=24 must be a power of two"):
+        mg.matmul_int8_gemv(jnp.zeros((1, K)), cb, scb, block_n=24, interpret=True)
 
 
 # ----------------------------------------------------------------------------- property test
@@ -340,8 +348,8 @@ def test_input_errors_are_clear():
 )
 def test_property_kernels_match_references(name, m, n, k, dtype, threshold, zero_row, seed):
     v = VARIANT[name]
-    if not v.supports(m, n, k, 0):
-        m = min(m, 64)
+    while not v.supports(m, n, k, 0):  # the small-M variants: halve M until supported
+        m = max(1, m // 2)
     _run_and_check(v, m, n, k, dtype, threshold, seed, zero_row=zero_row)
 
 
@@ -373,6 +381,10 @@ def test_kernels_lower_for_triton(monkeypatch):
         "int8_weight_only_dq": (lambda a, b, c: mi.matmul_int8(a, b, c, dequant="tile"),
                                 (x, cb, scb)),
         "int8_weight_only_splitk": (lambda a, b, c: mi.matmul_int8_splitk(a, b, c), (xs, cb, scb)),
+        "int8_weight_only_gemv": (lambda a, b, c: mg.matmul_int8_gemv(a, b, c), (jax.ShapeDtypeStruct((3, k), dt), cb, scb)),
+        "int8_weight_only_gemv_splits": (
+            lambda a, b, c: mg.matmul_int8_gemv(a, b, c, block_k=64, splits=5, reduce_at_end=True),
+            (jax.ShapeDtypeStruct((1, k), dt), cb, scb)),
         "int8_weight_only_t": (lambda a, b, c: mi.matmul_int8_t(a, b, c), (dy, cb, scb)),
         "llm_int8_tiled": (lambda a, b, c, d: ml.llm_int8_matmul(a, b, c, threshold=6.0, bias=d),
                            (x, cb, scb, bias)),
