@@ -47,6 +47,8 @@ __all__ = [
     "dequantize_int8_vectorwise_reference",
     "matmul_int8",
     "matmul_int8_splitk",
+    "matmul_int8_dequant_dot",
+    "matmul_int8_dequant_dot_t",
     "matmul_int8_t",
     "matmul_int8_reference",
     "matmul_int8_t_reference",
@@ -248,18 +250,32 @@ def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogu
 
 
 # ----------------------------------------------------------------------------- small M, split K
-def _splitk_kernel(x_ref, cb_ref, o_ref, *, nk, bk):
-    bm, bn = o_ref.shape
+def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, bm, one_row, scale):
+    """one_row: x is a single row, placed in row 0 of a zero (bm, bk) tile in registers (no padded
+    copy of x in memory); row 0 of the product is the result. scale: apply SCB/127 here (one K
+    split) instead of in the wrapper."""
+    bn = cb_ref.shape[0]
     cdt = x_ref.dtype
     prec = _precision(cdt)
+    if one_row:
+        first = lax.broadcasted_iota(jnp.int32, (bm, 1), 0) == 0
 
     def body(k, acc):
         ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
         w = cb_ref[:, ks].astype(cdt)
-        return acc + lax.dot_general(x_ref[:, ks], w, _NT, precision=prec,
+        if one_row:
+            x = jnp.where(first, jnp.broadcast_to(x_ref[0, ks][None, :], (bm, bk)), 0).astype(cdt)
+        else:
+            x = x_ref[:, ks]
+        return acc + lax.dot_general(x, w, _NT, precision=prec,
                                      preferred_element_type=jnp.float32)
 
-    o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+    acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+    if one_row:  # rows 1.. are exact zeros: the sum is row 0
+        acc = jnp.sum(acc, axis=0, keepdims=True)
+    if scale:
+        acc = acc * s_ref[...]  # (1, bn) f32
+    o_ref[...] = acc.astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -269,9 +285,11 @@ def _splitk_kernel(x_ref, cb_ref, o_ref, *, nk, bk):
 def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=None,
                        block_k=None, splits=None, num_warps=4, num_stages=3):
     """Small-M (M <= 64) form of `matmul_int8` (epilogue scaling): grid (N tiles, K splits), each
-    program streams its (block_n, K/splits) slice of CB once against all M rows (padded to 16..64);
-    the fp32 partial sums are added and scaled by SCB/127 in XLA. Same numerics class as
-    `matmul_int8(dequant="epilogue")` (different summation order)."""
+    program streams its (block_n, K/splits) slice of CB once against all M rows (padded to 16..64
+    in registers for M = 1, in memory otherwise). With one split, SCB/127 is applied and out_dtype
+    written in the kernel (one kernel per call); with several, the fp32 partial sums are added and
+    scaled in XLA. Same numerics class as `matmul_int8(dequant="epilogue")` (different summation
+    order)."""
     _check_weight("matmul_int8_splitk", x, cb, scb, 1, "x")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     m, k = x.shape
@@ -293,22 +311,28 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
     per = -(-nk_total // splits)
     splits = -(-nk_total // per)  # drop empty splits
     kp = splits * per * bk
-    xp = _pad2(x, bm, kp)
+    one_row, scale = m == 1, splits == 1
+    rows = 1 if one_row else bm
+    xp = _pad2(x, rows, kp)
     cbp = _pad2(cb, np_, kp)
+    s = jnp.pad(_row_scale(scb), (0, np_ - n))[None, :]
     part = pl.pallas_call(
-        functools.partial(_splitk_kernel, nk=per, bk=bk),
-        out_shape=jax.ShapeDtypeStruct((splits * bm, np_), jnp.float32),
+        functools.partial(_splitk_kernel, nk=per, bk=bk, bm=bm, one_row=one_row, scale=scale),
+        out_shape=jax.ShapeDtypeStruct((splits * rows, np_), out_dtype if scale else jnp.float32),
         grid=(n_tiles, splits),
         in_specs=[
-            pl.BlockSpec((bm, per * bk), lambda j, s: (0, s)),
+            pl.BlockSpec((rows, per * bk), lambda j, s: (0, s)),
             pl.BlockSpec((bn, per * bk), lambda j, s: (j, s)),
+            pl.BlockSpec((1, bn), lambda j, s: (0, j)),
         ],
-        out_specs=pl.BlockSpec((bm, bn), lambda j, s: (s, j)),
+        out_specs=pl.BlockSpec((rows, bn), lambda j, s: (s, j)),
         compiler_params=_triton_params(num_warps, num_stages),
         interpret=interpret,
         name="matmul_int8_splitk",
-    )(xp, cbp)
-    acc = part.reshape(splits, bm, np_).sum(axis=0)[:m, :n]
+    )(xp, cbp, s)
+    if scale:
+        return part[:m, :n]
+    acc = part.reshape(splits, rows, np_).sum(axis=0)[:m, :n]
     return (acc * _row_scale(scb)[None, :]).astype(out_dtype)
 
 
@@ -371,6 +395,38 @@ def matmul_int8_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None,
     return out[:m, :k]
 
 
+# ----------------------------------------------------------------------------- large M: dense W + GEMM
+def _dot_out(a, b, dims, out_dtype):
+    """XLA dot, fp32 accumulation; 16-bit operands with a 16-bit result leave the rounding to the
+    vendor GEMM's epilogue (fp32 accumulators rounded once), which then writes out_dtype itself."""
+    if out_dtype == a.dtype and a.dtype != jnp.float32:
+        return lax.dot_general(a, b, dims)
+    return lax.dot_general(a, b, dims, precision=_precision(a.dtype),
+                           preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def matmul_int8_dequant_dot(x, cb, scb, *, out_dtype=None, interpret=False):
+    """y = x @ W.T for large M: W is written once in x.dtype (exactly the reference's W_c, an XLA
+    elementwise pass), then the vendor GEMM. The optimization barrier keeps XLA from fusing the
+    int8 convert into a slower generated GEMM; W lives for this call only (never a residual)."""
+    del interpret
+    _check_weight("matmul_int8_dequant_dot", x, cb, scb, 1, "x")
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    w = lax.optimization_barrier(dequantize_int8_reference(cb, scb, x.dtype))
+    return _dot_out(x, w, _NT, out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def matmul_int8_dequant_dot_t(dy, cb, scb, *, out_dtype=None, interpret=False):
+    """dx = dy @ W for large M, as `matmul_int8_dequant_dot` (transient W, vendor GEMM)."""
+    del interpret
+    _check_weight("matmul_int8_dequant_dot_t", dy, cb, scb, 0, "dy")
+    out_dtype = dy.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    w = lax.optimization_barrier(dequantize_int8_reference(cb, scb, dy.dtype))
+    return _dot_out(dy, w, _NN, out_dtype)
+
+
 def _matmul_int8_tile(x, cb, scb, *, out_dtype=None, interpret=False):
     return matmul_int8(x, cb, scb, out_dtype=out_dtype, interpret=interpret, dequant="tile")
 
@@ -407,6 +463,22 @@ VARIANTS = (
         reference=matmul_int8_reference,
         supports=_supports_small_m,
         description="M<=64: grid (N tiles, K splits), CB streamed once, fp32 partials summed",
+    ),
+    Variant(
+        name="int8_dequant_dot",
+        op="matmul_int8",
+        fn=matmul_int8_dequant_dot,
+        reference=matmul_int8_reference,
+        supports=_supports_all,
+        description="large M: W_c written once per call (XLA elementwise, fenced), vendor GEMM",
+    ),
+    Variant(
+        name="int8_dequant_dot_t",
+        op="matmul_int8_t",
+        fn=matmul_int8_dequant_dot_t,
+        reference=matmul_int8_t_reference,
+        supports=_supports_all,
+        description="dy @ W for large M: W_c written once per call (fenced), vendor GEMM",
     ),
     Variant(
         name="int8_weight_only_t",

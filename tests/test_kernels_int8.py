@@ -220,7 +220,8 @@ def test_llm_int8_reference_vs_numpy_float64(dtype, m, threshold):
 # once, with the dtype rotating, to keep CI time down (each case compiles a kernel: ~1 s).
 _FULL = {("int8_weight_only", None), ("int8_weight_only_t", None), ("llm_int8_tiled", 6.0)}
 _PARTIAL = [("int8_weight_only_dq", None), ("int8_weight_only_splitk", None),
-            ("int8_weight_only_gemv", None),
+            ("int8_weight_only_gemv", None), ("int8_dequant_dot", None),
+            ("int8_dequant_dot_t", None),
             ("llm_int8_tiled", 0.0), ("llm_int8_tiled_skip", 6.0)]
 
 
@@ -271,6 +272,24 @@ def _run_and_check(v: Variant, m, n, k, dtype, threshold, seed, out_dtype=None, 
 @pytest.mark.parametrize("name,m,dtype,threshold", _kernel_cases())
 def test_kernel_matches_reference(name, m, dtype, threshold):
     _run_and_check(VARIANT[name], m, N, K, dtype, threshold, seed=10 + m)
+
+
+@pytest.mark.parametrize("m,splits", [(1, 1), (1, 3), (5, 1), (5, 3)])
+def test_small_m_kernels_with_and_without_k_splits(m, splits):
+    """One K split scales and writes out_dtype in the kernel; several sum fp32 partials in XLA
+    (K = 200 in 32-column tiles: 7 tiles, so 3 splits also pad K)."""
+    rng = np.random.default_rng(20 + m + splits)
+    cb, scb = _weight(rng, N, K)
+    cbj, scbj = jnp.asarray(cb), jnp.asarray(scb)
+    x = _activations(rng, m, K, jnp.bfloat16)
+    want = mi.matmul_int8_reference(x, cbj, scbj)
+    bound = _wo_bound(x, cb, scb, want, jnp.bfloat16, jnp.bfloat16)
+    got = mi.matmul_int8_splitk(x, cbj, scbj, block_k=32, splits=splits, interpret=INTERPRET)
+    _assert_within(got, want, bound, f"splitk M={m} splits={splits}")
+    if m <= mg.MAX_M:
+        gsplits = 7 if splits == 3 else 1  # the gemv needs splits dividing the tile count
+        got = mg.matmul_int8_gemv(x, cbj, scbj, block_k=32, splits=gsplits, interpret=INTERPRET)
+        _assert_within(got, want, bound, f"gemv M={m} splits={gsplits}")
 
 
 @pytest.mark.parametrize("name", ["int8_weight_only", "int8_weight_only_t", "llm_int8_tiled"])

@@ -1,0 +1,121 @@
+"""INT8 (weight-only) sweep: the small-M kernels' configs at M = 1 and 16, then the large-M forms.
+
+    OUT=/tmp/out SWEEP_BUDGET=150 python -m benchmarks.int8_sweep [--part small|large|both]
+
+Each record is one JSON line on stdout (device time per product, the weight streamed from HBM,
+see benchmarks/timing.py); all go to $OUT/int8_sweep.json. small: `matmul_int8_splitk`
+configs (and the `matmul_int8_gemv` default) on every shape, each config's output checked against
+`matmul_int8_reference` on the first weight copy (max |err| / max |y|); SWEEP_BUDGET (seconds)
+caps the configs tried after it is spent. large: at M = 128, 2048 and 8192, the forward (y = x @
+W.T) and the backward product (dx = dy @ W) of the xla path, the fenced dequant + GEMM and the
+tiled kernels, beside the bf16 GEMMs.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.timing import jax_device_ms, l2_defeating_copies
+from jqlora import ops, quant
+from pallas_kernels.matmul_int8 import (
+    matmul_int8, matmul_int8_dequant_dot, matmul_int8_dequant_dot_t, matmul_int8_reference,
+    matmul_int8_splitk, matmul_int8_t)
+from pallas_kernels.matmul_int8_gemv import matmul_int8_gemv
+
+SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
+GRID = [dict(block_n=bn, block_k=bk, splits=sp)
+        for bn, bk, sp in itertools.product((16, 32, 64, 128), (128, 256, 512), (None, 1))]
+
+
+def _us(fn, args, copies):
+    try:
+        return round(jax_device_ms(fn, *args, iterations=10) / copies * 1e3, 2)
+    except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _rel_err(got, want) -> float:
+    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))
+                 / jnp.maximum(jnp.max(jnp.abs(want.astype(jnp.float32))), 1e-30))
+
+
+def small(record, budget):
+    t0 = time.time()
+    for k, n in SHAPES_KN:
+        dense_copies = l2_defeating_copies(n * k * 2)
+        copies = l2_defeating_copies(n * k)
+        dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
+                 for i in range(max(copies, dense_copies))]
+        qs = [quant.quantize_int8(w) for w in dense[:copies]]
+        for m in (1, 16):
+            x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
+            cell = dict(k=k, n=n, m=m)
+            record(**cell, what="bf16 dot", us=_us(
+                lambda x, ws: [x @ w.T for w in ws], (x, dense[:dense_copies]), dense_copies))
+            record(**cell, what="qmatmul xla", us=_us(
+                lambda x, qs: [ops.qmatmul(x, q, backend="xla") for q in qs], (x, qs), copies))
+            want = matmul_int8_reference(x, qs[0].cb, qs[0].scb)
+            kernels = [("gemv", matmul_int8_gemv, {})] if m == 1 else []
+            kernels += [("splitk", matmul_int8_splitk, cfg) for cfg in [{}] + GRID]
+            for what, fn, cfg in kernels:
+                if time.time() - t0 > budget and cfg:
+                    break
+                us = _us(lambda x, qs, fn=fn, cfg=cfg: [fn(x, q.cb, q.scb, **cfg) for q in qs],
+                         (x, qs), copies)
+                err = None if isinstance(us, str) else _rel_err(fn(x, qs[0].cb, qs[0].scb, **cfg), want)
+                record(**cell, what=what, cfg=cfg, us=us, rel_err=err)
+
+
+def large(record):
+    for k, n in SHAPES_KN:
+        copies = l2_defeating_copies(n * k * 2)  # the dense weights' count; int8 uses as many
+        ws = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02 for i in range(copies)]
+        qs = [quant.quantize_int8(w) for w in ws]
+        for m in (128, 2048, 8192):
+            x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
+            dy = jax.random.normal(jax.random.key(8), (m, n), jnp.bfloat16)
+            cell = dict(k=k, n=n, m=m)
+            progs = {
+                "fwd bf16 dot": (lambda x, w, q: x @ w.T, x),
+                "fwd qmatmul xla": (lambda x, w, q: ops.qmatmul(x, q, backend="xla"), x),
+                "fwd int8_dequant_dot": (lambda x, w, q: matmul_int8_dequant_dot(x, q.cb, q.scb), x),
+                "fwd int8_weight_only": (lambda x, w, q: matmul_int8(x, q.cb, q.scb), x),
+                "bwd bf16 dot": (lambda d, w, q: d @ w, dy),
+                "bwd xla": (lambda d, w, q: d @ quant.dequantize(q, d.dtype), dy),
+                "bwd int8_dequant_dot_t": (lambda d, w, q: matmul_int8_dequant_dot_t(d, q.cb, q.scb), dy),
+                "bwd int8_weight_only_t": (lambda d, w, q: matmul_int8_t(d, q.cb, q.scb), dy),
+            }
+            for what, (fn, a) in progs.items():
+                record(**cell, what=what, us=_us(
+                    lambda a, ws, qs, fn=fn: [fn(a, w, q) for w, q in zip(ws, qs)], (a, ws, qs), copies))
+
+
+def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=("small", "large", "both"), default="both")
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp")
+    budget = float(os.environ.get("SWEEP_BUDGET", "150"))
+    records = []
+
+    def record(**kw):
+        records.append(kw)
+        print(json.dumps(kw), flush=True)
+
+    if args.part in ("small", "both"):
+        small(record, budget)
+    if args.part in ("large", "both"):
+        large(record)
+    with open(os.path.join(out_dir, "int8_sweep.json"), "w") as f:
+        json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
