@@ -20,7 +20,10 @@ Kernels (Pallas, Triton lowering on GPU, interpret mode on CPU):
   registers exactly like the reference (fp32 math, one rounding to x.dtype) and differs from the
   reference only by accumulation order.
 - `matmul_int8_splitk`: small M (<= 64): grid over (N tiles, K splits), each program streams its
-  CB slice once; fp32 partials are summed and scaled in a small XLA epilogue.
+  CB slice once; with one split the kernel scales and writes the result, with several the fp32
+  partials are summed and scaled in a small XLA epilogue.
+- `matmul_int8_dequant_dot(_t)`: large M: W_c written once per call by the streaming
+  `dequantize_int8` kernel (bit-identical to the reference's W_c), then the vendor GEMM.
 - `matmul_int8_t`: dx = dy @ W without W in memory: dy tile columns are scaled by SCB/127 in fp32,
   rounded to dy.dtype, then dy_scaled @ CB_tile (CB cast to dy.dtype), fp32 accumulation.
 
@@ -43,6 +46,7 @@ from pallas_kernels.registry import Variant
 
 __all__ = [
     "INV127",
+    "dequantize_int8",
     "dequantize_int8_reference",
     "dequantize_int8_vectorwise_reference",
     "matmul_int8",
@@ -250,29 +254,18 @@ def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogu
 
 
 # ----------------------------------------------------------------------------- small M, split K
-def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, bm, one_row, scale):
-    """one_row: x is a single row, placed in row 0 of a zero (bm, bk) tile in registers (no padded
-    copy of x in memory); row 0 of the product is the result. scale: apply SCB/127 here (one K
-    split) instead of in the wrapper."""
-    bn = cb_ref.shape[0]
+def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, scale):
+    """scale: apply SCB/127 here and write out_dtype (one K split) instead of fp32 partials."""
     cdt = x_ref.dtype
     prec = _precision(cdt)
-    if one_row:
-        first = lax.broadcasted_iota(jnp.int32, (bm, 1), 0) == 0
 
     def body(k, acc):
         ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
         w = cb_ref[:, ks].astype(cdt)
-        if one_row:
-            x = jnp.where(first, jnp.broadcast_to(x_ref[0, ks][None, :], (bm, bk)), 0).astype(cdt)
-        else:
-            x = x_ref[:, ks]
-        return acc + lax.dot_general(x, w, _NT, precision=prec,
+        return acc + lax.dot_general(x_ref[:, ks], w, _NT, precision=prec,
                                      preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
-    if one_row:  # rows 1.. are exact zeros: the sum is row 0
-        acc = jnp.sum(acc, axis=0, keepdims=True)
+    acc = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32))
     if scale:
         acc = acc * s_ref[...]  # (1, bn) f32
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -285,11 +278,14 @@ def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, bm, one_row, scale):
 def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=None,
                        block_k=None, splits=None, num_warps=4, num_stages=3):
     """Small-M (M <= 64) form of `matmul_int8` (epilogue scaling): grid (N tiles, K splits), each
-    program streams its (block_n, K/splits) slice of CB once against all M rows (padded to 16..64
-    in registers for M = 1, in memory otherwise). With one split, SCB/127 is applied and out_dtype
-    written in the kernel (one kernel per call); with several, the fp32 partial sums are added and
-    scaled in XLA. Same numerics class as `matmul_int8(dequant="epilogue")` (different summation
-    order)."""
+    program streams its (block_n, K/splits) slice of CB once against all M rows (x padded to
+    16..64 rows). With one split, SCB/127 is applied and out_dtype written in the kernel; with
+    several, the fp32 partial sums are added and scaled in XLA. Same numerics class as
+    `matmul_int8(dequant="epilogue")` (different summation order).
+
+    Defaults from an H200 sweep (benchmarks/int8_sweep.py, M = 1 and 16 on the protocol shapes):
+    64 x 256 tiles; one split once N / 64 >= 128 tiles (a wave of programs), else ~256 programs.
+    """
     _check_weight("matmul_int8_splitk", x, cb, scb, 1, "x")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     m, k = x.shape
@@ -300,39 +296,37 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
         return jnp.zeros((m, n), out_dtype)
     bm = _clamp_block(m, 16, 64)
     bn = _check_block("block_n", block_n or _clamp_block(n, 16, 64))
-    bk = _check_block("block_k", block_k or _clamp_block(k, 32, 128))
+    bk = _check_block("block_k", block_k or _clamp_block(k, 32, 256))
     np_ = _round_up(n, bn)
     n_tiles = np_ // bn
     nk_total = -(-k // bk)
     if splits is None:
-        # aim for ~256 programs (about 2 waves on a 132-SM H100), at least 2 K tiles per split
-        splits = max(1, min(nk_total // 2 if nk_total >= 4 else 1, -(-256 // n_tiles)))
+        splits = 1 if n_tiles >= 128 else max(1, min(nk_total // 2, -(-256 // n_tiles)))
     splits = int(max(1, min(int(splits), nk_total)))
     per = -(-nk_total // splits)
     splits = -(-nk_total // per)  # drop empty splits
     kp = splits * per * bk
-    one_row, scale = m == 1, splits == 1
-    rows = 1 if one_row else bm
-    xp = _pad2(x, rows, kp)
+    scale = splits == 1
+    xp = _pad2(x, bm, kp)
     cbp = _pad2(cb, np_, kp)
     s = jnp.pad(_row_scale(scb), (0, np_ - n))[None, :]
     part = pl.pallas_call(
-        functools.partial(_splitk_kernel, nk=per, bk=bk, bm=bm, one_row=one_row, scale=scale),
-        out_shape=jax.ShapeDtypeStruct((splits * rows, np_), out_dtype if scale else jnp.float32),
+        functools.partial(_splitk_kernel, nk=per, bk=bk, scale=scale),
+        out_shape=jax.ShapeDtypeStruct((splits * bm, np_), out_dtype if scale else jnp.float32),
         grid=(n_tiles, splits),
         in_specs=[
-            pl.BlockSpec((rows, per * bk), lambda j, s: (0, s)),
+            pl.BlockSpec((bm, per * bk), lambda j, s: (0, s)),
             pl.BlockSpec((bn, per * bk), lambda j, s: (j, s)),
             pl.BlockSpec((1, bn), lambda j, s: (0, j)),
         ],
-        out_specs=pl.BlockSpec((rows, bn), lambda j, s: (s, j)),
+        out_specs=pl.BlockSpec((bm, bn), lambda j, s: (s, j)),
         compiler_params=_triton_params(num_warps, num_stages),
         interpret=interpret,
         name="matmul_int8_splitk",
     )(xp, cbp, s)
     if scale:
         return part[:m, :n]
-    acc = part.reshape(splits, rows, np_).sum(axis=0)[:m, :n]
+    acc = part.reshape(splits, bm, np_).sum(axis=0)[:m, :n]
     return (acc * _row_scale(scb)[None, :]).astype(out_dtype)
 
 
@@ -396,6 +390,40 @@ def matmul_int8_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None,
 
 
 # ----------------------------------------------------------------------------- large M: dense W + GEMM
+def _dequant_kernel(cb_ref, s_ref, o_ref):
+    o_ref[...] = (cb_ref[...].astype(jnp.float32) * s_ref[...]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k"))
+def dequantize_int8(cb, scb, *, out_dtype=jnp.float32, interpret=False, block_n=32, block_k=512):
+    """W_c = CB * (SCB * f32(1/127)) in fp32, one rounding to out_dtype: bit-identical to
+    `dequantize_int8_reference`, as one streaming Pallas kernel (1 byte read, 2 written per weight
+    for 16-bit out_dtype) that XLA cannot fuse into a consumer GEMM."""
+    if cb.ndim != 2 or cb.dtype != jnp.int8:
+        raise ValueError(f"dequantize_int8: cb must be int8 of shape (N, K), got {cb.dtype} {cb.shape}")
+    if scb.shape != (cb.shape[0],):
+        raise ValueError(f"dequantize_int8: scb must have shape ({cb.shape[0]},), got {scb.shape}")
+    n, k = cb.shape
+    if n == 0 or k == 0:
+        return jnp.zeros((n, k), out_dtype)
+    bn = _check_block("block_n", min(block_n, _clamp_block(n, 16, block_n)))
+    bk = _check_block("block_k", min(block_k, _clamp_block(k, 32, block_k)))
+    np_, kp = _round_up(n, bn), _round_up(k, bk)
+    s = jnp.pad(_row_scale(scb), (0, np_ - n))[:, None]
+    out = pl.pallas_call(
+        _dequant_kernel,
+        out_shape=jax.ShapeDtypeStruct((np_, kp), out_dtype),
+        grid=(np_ // bn, kp // bk),
+        in_specs=[pl.BlockSpec((bn, bk), lambda i, j: (i, j)),
+                  pl.BlockSpec((bn, 1), lambda i, j: (i, 0))],
+        out_specs=pl.BlockSpec((bn, bk), lambda i, j: (i, j)),
+        compiler_params=_triton_params(4, 1),
+        interpret=interpret,
+        name="dequantize_int8",
+    )(_pad2(cb, np_, kp), s)
+    return out[:n, :k]
+
+
 def _dot_out(a, b, dims, out_dtype):
     """XLA dot, fp32 accumulation; 16-bit operands with a 16-bit result leave the rounding to the
     vendor GEMM's epilogue (fp32 accumulators rounded once), which then writes out_dtype itself."""
@@ -407,23 +435,21 @@ def _dot_out(a, b, dims, out_dtype):
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def matmul_int8_dequant_dot(x, cb, scb, *, out_dtype=None, interpret=False):
-    """y = x @ W.T for large M: W is written once in x.dtype (exactly the reference's W_c, an XLA
-    elementwise pass), then the vendor GEMM. The optimization barrier keeps XLA from fusing the
-    int8 convert into a slower generated GEMM; W lives for this call only (never a residual)."""
-    del interpret
+    """y = x @ W.T for large M: W is written once in x.dtype (exactly the reference's W_c, by the
+    `dequantize_int8` kernel), then the vendor GEMM. A separate kernel also keeps XLA from fusing
+    the int8 convert into a slower generated GEMM; W lives for this call only (never a residual)."""
     _check_weight("matmul_int8_dequant_dot", x, cb, scb, 1, "x")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    w = lax.optimization_barrier(dequantize_int8_reference(cb, scb, x.dtype))
+    w = dequantize_int8(cb, scb, out_dtype=x.dtype, interpret=interpret)
     return _dot_out(x, w, _NT, out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def matmul_int8_dequant_dot_t(dy, cb, scb, *, out_dtype=None, interpret=False):
     """dx = dy @ W for large M, as `matmul_int8_dequant_dot` (transient W, vendor GEMM)."""
-    del interpret
     _check_weight("matmul_int8_dequant_dot_t", dy, cb, scb, 0, "dy")
     out_dtype = dy.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    w = lax.optimization_barrier(dequantize_int8_reference(cb, scb, dy.dtype))
+    w = dequantize_int8(cb, scb, out_dtype=dy.dtype, interpret=interpret)
     return _dot_out(dy, w, _NN, out_dtype)
 
 
@@ -470,7 +496,7 @@ VARIANTS = (
         fn=matmul_int8_dequant_dot,
         reference=matmul_int8_reference,
         supports=_supports_all,
-        description="large M: W_c written once per call (XLA elementwise, fenced), vendor GEMM",
+        description="large M: W_c written once per call (dequantize_int8 kernel), vendor GEMM",
     ),
     Variant(
         name="int8_dequant_dot_t",
@@ -478,7 +504,7 @@ VARIANTS = (
         fn=matmul_int8_dequant_dot_t,
         reference=matmul_int8_t_reference,
         supports=_supports_all,
-        description="dy @ W for large M: W_c written once per call (fenced), vendor GEMM",
+        description="dy @ W for large M: W_c written once per call (dequantize_int8), vendor GEMM",
     ),
     Variant(
         name="int8_weight_only_t",

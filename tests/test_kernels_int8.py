@@ -274,6 +274,19 @@ def test_kernel_matches_reference(name, m, dtype, threshold):
     _run_and_check(VARIANT[name], m, N, K, dtype, threshold, seed=10 + m)
 
 
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 90), k=st.integers(1, 700), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_dequantize_int8_kernel_is_bitwise_the_reference(n, k, dtype, seed):
+    """The large-M paths' transient weight is exactly the reference's W_c (ragged N and K pad)."""
+    cb, scb = _weight(np.random.default_rng(seed), n, k)
+    got = mi.dequantize_int8(jnp.asarray(cb), jnp.asarray(scb), out_dtype=dtype, interpret=INTERPRET)
+    want = mi.dequantize_int8_reference(jnp.asarray(cb), jnp.asarray(scb), dtype)
+    assert got.shape == (n, k) and got.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("m,splits", [(1, 1), (1, 3), (5, 1), (5, 3)])
 def test_small_m_kernels_with_and_without_k_splits(m, splits):
     """One K split scales and writes out_dtype in the kernel; several sum fp32 partials in XLA
@@ -405,6 +418,7 @@ def test_kernels_lower_for_triton(monkeypatch):
             lambda a, b, c: mg.matmul_int8_gemv(a, b, c, block_k=64, splits=5, reduce_at_end=True),
             (jax.ShapeDtypeStruct((1, k), dt), cb, scb)),
         "int8_weight_only_t": (lambda a, b, c: mi.matmul_int8_t(a, b, c), (dy, cb, scb)),
+        "dequantize_int8": (lambda b, c: mi.dequantize_int8(b, c, out_dtype=dt), (cb, scb)),
         "llm_int8_tiled": (lambda a, b, c, d: ml.llm_int8_matmul(a, b, c, threshold=6.0, bias=d),
                            (x, cb, scb, bias)),
         "llm_int8_tiled_skip": (

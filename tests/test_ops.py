@@ -257,6 +257,22 @@ def test_interpret_backend_bf16_matches_reference():
     np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=2e-2, atol=2e-2)
 
 
+def test_auto_plan_on_a_gpu_follows_the_measured_defaults(monkeypatch):
+    """What `auto` runs on a GPU (benchmarks/results): small M streams the weight once, large M
+    dequantizes once per call for the vendor GEMM; LLM.int8 numerics stay on the jnp path."""
+    from jqlora.ops import backends
+
+    monkeypatch.setattr(backends, "on_gpu", lambda: True)
+    _, qs = _weights(64, 128)
+    plan = lambda kind, m, **kw: backends.choose_plan(qs[kind], m, "auto", **kw)
+    assert plan("nf4", 1) == backends.Plan("pallas", "splitk_small_m", "dequant_dot_t")
+    assert plan("nf4", 65) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")
+    assert plan("int8", 64) == backends.Plan("pallas", "int8_weight_only_splitk", "int8_dequant_dot_t")
+    assert plan("int8", 65) == backends.Plan("pallas", "int8_dequant_dot", "int8_dequant_dot_t")
+    assert plan("int8", 1, numerics="llm_int8") == backends.Plan("xla")
+    assert backends.choose_plan(qs["nf4"], 1, "xla") == backends.Plan("xla")
+
+
 def test_variant_choice_is_explicit():
     _, qs = _weights(64, 128)
     x = jnp.ones((4, 128))

@@ -30,8 +30,12 @@ DEFAULT_4BIT_FWD_LARGE = "dequant_dot"
 DEFAULT_4BIT_FWD_SMALL = "splitk_small_m"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
-DEFAULT_INT8_FWD = "int8_weight_only"
-DEFAULT_INT8_BWD = "int8_weight_only_t"
+# INT8 (H200 sweep, benchmarks/int8_sweep.py, 2026-11-21): at M <= 64 the split-K kernel streams
+# CB at 0.69-0.95x the bf16 GEMV time where dequant + GEMM takes 3.1-3.6x; above, the fenced
+# dequant + cuBLAS beats the tiled Triton kernels (1.01-1.24x bf16 against 1.80-2.0x at M >= 2048).
+DEFAULT_INT8_FWD_SMALL = "int8_weight_only_splitk"
+DEFAULT_INT8_FWD_LARGE = "int8_dequant_dot"
+DEFAULT_INT8_BWD = "int8_dequant_dot_t"
 DEFAULT_LLM_INT8 = "llm_int8_tiled"
 
 
@@ -72,7 +76,7 @@ def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
         return DEFAULT_4BIT_FWD_LARGE, DEFAULT_4BIT_BWD_LARGE
     if numerics == "llm_int8":
         return DEFAULT_LLM_INT8, DEFAULT_INT8_BWD
-    return DEFAULT_INT8_FWD, DEFAULT_INT8_BWD
+    return (DEFAULT_INT8_FWD_SMALL if m <= SMALL_M else DEFAULT_INT8_FWD_LARGE), DEFAULT_INT8_BWD
 
 
 def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics: str = "weight_only") -> Plan:
@@ -89,12 +93,10 @@ def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics
     if backend == "auto":
         if not on_gpu():
             return Plan("xla")
-        if isinstance(q, Int8Weight):
-            # The INT8 kernels pass the compiled suite (H200, 2026-11-21) but are not faster than
-            # dequant + cuBLAS overall in the benchmark (M = 1: ahead at one shape of three;
-            # M >= 2048: 1.47-1.97x bf16 against 1.02-1.41x): auto keeps the xla path for them;
-            # backend="pallas" runs the kernels on request.
-            log.debug("qmatmul auto backend: int8 weight uses xla (measured faster than the int8 kernels)")
+        if numerics == "llm_int8":
+            # bit-exact with bitsandbytes on the GPU (compiled suite), but its speed against the
+            # jnp path was never benchmarked: auto keeps the measured path.
+            log.debug("qmatmul auto backend: llm_int8 numerics use xla (kernel not benchmarked)")
             return Plan("xla")
         if problem:
             log.debug("qmatmul auto backend: falling back to xla: %s", problem)
