@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs, in as few device calls as possible (device time is scarce).
 #   bash benchmarks/gpu_session.sh tests   # compiled-kernel correctness suite (~3-4 min)
-#   bash benchmarks/gpu_session.sh bench   # benchmark tables + dequant + memory proof (~5 min)
+#   bash benchmarks/gpu_session.sh bench   # benchmark tables + dequant + memory proof (~9 min;
+#                                          # TAG=_x names the result files <gpu>-<date>_x.*)
 #   bash benchmarks/gpu_session.sh train [1b|8b]  # end-to-end QLoRA step, jqlora vs torch (~2 / ~8 min)
 # Carry `.whl` (bitsandbytes wheel, see shared/GPU.md). Results land in $OUT.
 set -u
@@ -17,8 +18,8 @@ case "${1:-tests}" in
       tests/test_models.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
   bench)
     # variants at M = 1, 16, 2048 only and a matmul time budget: the whole run fits one 10-minute call
-    timeout 450 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 250 \
-      --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  M=" | tail -20 ;;
+    timeout 560 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 330 \
+      --tag "${TAG:-}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  M=" | tail -20 ;;
   train)
     # end-to-end QLoRA step, both sides in this one call (protocol); `train 8b` for the 8B shape
     shape=${2:-1b}
