@@ -1,4 +1,4 @@
-"""A few calls of the small-M NF4 `qmatmul` (or the bf16 `jnp.dot`), for Nsight Compute.
+"""A few calls of the small-M NF4 or INT8 `qmatmul` (or the bf16 `jnp.dot`), for Nsight Compute.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:matmul_4bit_splitk \
         --launch-skip 2 --launch-count 1 --set detailed python -m benchmarks.profile_small_m q 1
@@ -22,15 +22,15 @@ def main(argv=None):
     k, n = (int(args[2]), int(args[3])) if len(args) > 3 else (4096, 14336)
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.standard_normal((m, k), np.float32).astype(jnp.bfloat16))
-    if mode == "q":
+    if mode in ("q", "int8"):
         w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
-        q = quant.quantize_4bit(w, "nf4", 64, True)
+        q = quant.quantize_4bit(w, "nf4", 64, True) if mode == "q" else quant.quantize_int8(w)
         f = jax.jit(lambda x: ops.qmatmul(x, q, backend="pallas"))
     elif mode == "dense":
         w = jax.device_put((rng.standard_normal((n, k), np.float32) * 0.02).astype(jnp.bfloat16))
         f = jax.jit(lambda x: jnp.dot(x, w.T))
     else:
-        raise SystemExit(f"mode must be 'q' or 'dense', got {mode!r}")
+        raise SystemExit(f"mode must be 'q' (NF4), 'int8' or 'dense', got {mode!r}")
     for _ in range(5):
         jax.block_until_ready(f(x))
 
