@@ -42,6 +42,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._compat import load as _masked_load
 from pallas_kernels.registry import Variant
 
 __all__ = [
@@ -116,6 +117,10 @@ def _pad2(a, rows: int, cols: int):
     if pr == 0 and pc == 0:
         return a
     return jnp.pad(a, ((0, pr), (0, pc)))
+
+
+def _pad1(a, size: int):
+    return a if a.shape[0] == size else jnp.pad(a, (0, size - a.shape[0]))
 
 
 def _precision(dtype):
@@ -254,20 +259,28 @@ def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogu
 
 
 # ----------------------------------------------------------------------------- small M, split K
-def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, scale):
-    """scale: apply SCB/127 here and write out_dtype (one K split) instead of fp32 partials."""
+def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, m, scale):
+    """x_ref is a (bm, .) block over the unpadded (m, K) x: rows >= m are masked to zero in the
+    load (no padded copy of x). scale: multiply by SCB * f32(1/127) (s_ref holds SCB) and write
+    out_dtype here (one K split) instead of fp32 partials."""
     cdt = x_ref.dtype
     prec = _precision(cdt)
+    bm = x_ref.shape[0]
+    xmask = None if m == bm else lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < m
 
     def body(k, acc):
         ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
         w = cb_ref[:, ks].astype(cdt)
-        return acc + lax.dot_general(x_ref[:, ks], w, _NT, precision=prec,
+        if xmask is None:
+            x = x_ref[:, ks]
+        else:
+            x = _masked_load(x_ref.at[:, ks], mask=xmask, other=jnp.zeros((), cdt))
+        return acc + lax.dot_general(x, w, _NT, precision=prec,
                                      preferred_element_type=jnp.float32)
 
     acc = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32))
     if scale:
-        acc = acc * s_ref[...]  # (1, bn) f32
+        acc = acc * (s_ref[...] * INV127)  # (1, bn) f32, as _row_scale
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -307,11 +320,11 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
     splits = -(-nk_total // per)  # drop empty splits
     kp = splits * per * bk
     scale = splits == 1
-    xp = _pad2(x, bm, kp)
+    xp = _pad2(x, m, kp)  # rows stay unpadded: the kernel masks rows >= m
     cbp = _pad2(cb, np_, kp)
-    s = jnp.pad(_row_scale(scb), (0, np_ - n))[None, :]
+    s = _pad1(scb.astype(jnp.float32), np_)[None, :]
     part = pl.pallas_call(
-        functools.partial(_splitk_kernel, nk=per, bk=bk, scale=scale),
+        functools.partial(_splitk_kernel, nk=per, bk=bk, m=m, scale=scale),
         out_shape=jax.ShapeDtypeStruct((splits * bm, np_), out_dtype if scale else jnp.float32),
         grid=(n_tiles, splits),
         in_specs=[
@@ -390,8 +403,9 @@ def matmul_int8_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None,
 
 
 # ----------------------------------------------------------------------------- large M: dense W + GEMM
-def _dequant_kernel(cb_ref, s_ref, o_ref):
-    o_ref[...] = (cb_ref[...].astype(jnp.float32) * s_ref[...]).astype(o_ref.dtype)
+def _dequant_kernel(cb_ref, scb_ref, o_ref):
+    s = scb_ref[...] * INV127  # (bn, 1) f32, as _row_scale: no separate XLA kernel for it
+    o_ref[...] = (cb_ref[...].astype(jnp.float32) * s).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block_n", "block_k"))
@@ -409,7 +423,7 @@ def dequantize_int8(cb, scb, *, out_dtype=jnp.float32, interpret=False, block_n=
     bn = _check_block("block_n", min(block_n, _clamp_block(n, 16, block_n)))
     bk = _check_block("block_k", min(block_k, _clamp_block(k, 32, block_k)))
     np_, kp = _round_up(n, bn), _round_up(k, bk)
-    s = jnp.pad(_row_scale(scb), (0, np_ - n))[:, None]
+    s = _pad1(scb.astype(jnp.float32), np_)[:, None]
     out = pl.pallas_call(
         _dequant_kernel,
         out_shape=jax.ShapeDtypeStruct((np_, kp), out_dtype),
