@@ -3,12 +3,12 @@
     OUT=/tmp/out SWEEP_BUDGET=150 python -m benchmarks.int8_sweep [--part small|large|both]
 
 Each record is one JSON line on stdout (device time per product, the weight streamed from HBM,
-see benchmarks/timing.py); all go to $OUT/int8_sweep.json. small: `matmul_int8_splitk`
+see benchmarks/timing.py); all go to $OUT/int8_sweep_<part>.json. small: `matmul_int8_splitk`
 configs (and the `matmul_int8_gemv` default) on every shape, each config's output checked against
 `matmul_int8_reference` on the first weight copy (max |err| / max |y|); SWEEP_BUDGET (seconds)
 caps the configs tried after it is spent. large: at M = 128, 2048 and 8192, the forward (y = x @
 W.T) and the backward product (dx = dy @ W) of the xla path, the fenced dequant + GEMM and the
-tiled kernels, beside the bf16 GEMMs.
+tiled kernels, beside the bf16 GEMMs. stages: num_stages x num_warps around the default tiles.
 """
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ from pallas_kernels.matmul_int8_gemv import matmul_int8_gemv
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
 GRID = [dict(block_n=bn, block_k=bk, splits=sp)
         for bn, bk, sp in itertools.product((16, 32, 64, 128), (128, 256, 512), (None, 1))]
+# --part stages: pipelining depth and warps around the chosen 64 x 256 tiles (M = 1 and 16)
+STAGES_GRID = [dict(block_n=bn, block_k=bk, num_stages=ns, num_warps=nw)
+               for (bn, bk), ns, nw in itertools.product(((64, 256), (128, 256), (64, 512)),
+                                                         (3, 4, 5, 6), (4, 8))]
 
 
 def _us(fn, args, copies):
@@ -44,7 +48,7 @@ def _rel_err(got, want) -> float:
                  / jnp.maximum(jnp.max(jnp.abs(want.astype(jnp.float32))), 1e-30))
 
 
-def small(record, budget):
+def small(record, budget, grid=None):
     t0 = time.time()
     for k, n in SHAPES_KN:
         dense_copies = l2_defeating_copies(n * k * 2)
@@ -60,8 +64,8 @@ def small(record, budget):
             record(**cell, what="qmatmul xla", us=_us(
                 lambda x, qs: [ops.qmatmul(x, q, backend="xla") for q in qs], (x, qs), copies))
             want = matmul_int8_reference(x, qs[0].cb, qs[0].scb)
-            kernels = [("gemv", matmul_int8_gemv, {})] if m == 1 else []
-            kernels += [("splitk", matmul_int8_splitk, cfg) for cfg in [{}] + GRID]
+            kernels = [("gemv", matmul_int8_gemv, {})] if m == 1 and grid is None else []
+            kernels += [("splitk", matmul_int8_splitk, cfg) for cfg in [{}] + (grid or GRID)]
             for what, fn, cfg in kernels:
                 if time.time() - t0 > budget and cfg:
                     break
@@ -99,7 +103,7 @@ def main():
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=("small", "large", "both"), default="both")
+    ap.add_argument("--part", choices=("small", "large", "both", "stages"), default="both")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
     budget = float(os.environ.get("SWEEP_BUDGET", "150"))
@@ -111,9 +115,11 @@ def main():
 
     if args.part in ("small", "both"):
         small(record, budget)
+    if args.part == "stages":
+        small(record, budget, STAGES_GRID)
     if args.part in ("large", "both"):
         large(record)
-    with open(os.path.join(out_dir, "int8_sweep.json"), "w") as f:
+    with open(os.path.join(out_dir, f"int8_sweep_{args.part}.json"), "w") as f:
         json.dump(records, f, indent=1)
 
 
