@@ -19,7 +19,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import jax_device_ms, l2_defeating_copies
+from benchmarks.timing import jax_device_ms, l2_defeating_copies, unmerged
 from jqlora import ops, quant
 from jqlora.ops.products import kernel_operands_4bit
 from pallas_kernels.dequantize_4bit import dequantize_4bit
@@ -50,12 +50,12 @@ def main():
         x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
         s = jnp.asarray(1.0, jnp.bfloat16)
         progs = {
-            "x @ w.T (param)": (lambda x, ws, s: [x @ w.T for w in ws], ws),
-            "x @ wt (param stored K x N)": (lambda x, ws, s: [x @ w for w in ws], wts),
-            "x @ (w * s).T (computed)": (lambda x, ws, s: [x @ (w * s).T for w in ws], ws),
+            "x @ w.T (param)": (lambda x, ws, s: [unmerged(x) @ w.T for w in ws], ws),
+            "x @ wt (param stored K x N)": (lambda x, ws, s: [unmerged(x) @ w for w in ws], wts),
+            "x @ (w * s).T (computed)": (lambda x, ws, s: [unmerged(x) @ (w * s).T for w in ws], ws),
             "dequant only": (lambda x, qs, s: [dequantize_4bit(*kernel_operands_4bit(q), q.code, blocksize=64,
                                                                out_dtype=jnp.bfloat16) for q in qs], qs),
-            "qmatmul pallas": (lambda x, qs, s: [ops.qmatmul(x, q, backend="pallas") for q in qs], qs),
+            "qmatmul pallas": (lambda x, qs, s: [ops.qmatmul(unmerged(x), q, backend="pallas") for q in qs], qs),
         }
         for what, (fn, wlist) in progs.items():
             us = jax_device_ms(fn, x, wlist, s, iterations=10) / len(wlist) * 1e3

@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import jax_device_ms, l2_defeating_copies
+from benchmarks.timing import jax_device_ms, l2_defeating_copies, unmerged
 from jqlora import ops, quant
 from jqlora.ops.products import nested_kernel_operands_4bit
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
@@ -64,10 +64,10 @@ def main():
             x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
             cell = dict(k=k, n=n, m=m)
             record(**cell, what="bf16 dot", us=_us_per_product(
-                lambda x, ws: [x @ w.T for w in ws], (x, dense[:dense_copies]), dense_copies))
+                lambda x, ws: [unmerged(x) @ w.T for w in ws], (x, dense[:dense_copies]), dense_copies))
             for backend in ("pallas", "xla"):
                 record(**cell, what=f"qmatmul {backend}", us=_us_per_product(
-                    lambda x, qs, b=backend: [ops.qmatmul(x, q, backend=b) for q in qs],
+                    lambda x, qs, b=backend: [ops.qmatmul(unmerged(x), q, backend=b) for q in qs],
                     (x, qs), copies))
             for cfg in _grid(m, k):
                 def run(x, qs, cfg=cfg):

@@ -13,6 +13,14 @@ import time
 import jax
 
 
+def unmerged(x):
+    """x behind an optimization barrier: one per product, so that XLA's dot merger cannot turn R
+    products that share x into one wide GEMM plus concatenate/slice copies. That merge happened
+    to the bf16 baseline at 4096x4096 (2026-11-21 per-kernel breakdown: 16 us of concatenate and
+    11 us of slices around an 85 us GEMM at M = 2048), which no single user call runs."""
+    return jax.lax.optimization_barrier(x)
+
+
 def l2_defeating_copies(weight_bytes: int, l2_bytes: int = 60 * 2**20, cap: int = 8) -> int:
     """How many weight copies make one sweep at least twice the L2 size."""
     return max(1, min(cap, -(-2 * l2_bytes // max(1, weight_bytes))))
