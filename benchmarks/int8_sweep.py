@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import jax_device_ms, l2_defeating_copies, unmerged
+from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
 from jqlora import ops, quant
 from pallas_kernels.matmul_int8 import (
     matmul_int8, matmul_int8_dequant_dot, matmul_int8_dequant_dot_t, matmul_int8_reference,
@@ -58,19 +58,22 @@ def small(record, budget, grid=None):
         qs = [quant.quantize_int8(w) for w in dense[:copies]]
         for m in (1, 16):
             x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
+            xs = distinct_copies(x, max(copies, dense_copies))
             cell = dict(k=k, n=n, m=m)
             record(**cell, what="bf16 dot", us=_us(
-                lambda x, ws: [unmerged(x) @ w.T for w in ws], (x, dense[:dense_copies]), dense_copies))
+                lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)], (xs[:dense_copies], dense[:dense_copies]),
+                dense_copies))
             record(**cell, what="qmatmul xla", us=_us(
-                lambda x, qs: [ops.qmatmul(unmerged(x), q, backend="xla") for q in qs], (x, qs), copies))
+                lambda xs, qs: [ops.qmatmul(a, q, backend="xla") for a, q in zip(xs, qs)], (xs[:copies], qs),
+                copies))
             want = matmul_int8_reference(x, qs[0].cb, qs[0].scb)
             kernels = [("gemv", matmul_int8_gemv, {})] if m == 1 and grid is None else []
             kernels += [("splitk", matmul_int8_splitk, cfg) for cfg in [{}] + (grid or GRID)]
             for what, fn, cfg in kernels:
                 if time.time() - t0 > budget and cfg:
                     break
-                us = _us(lambda x, qs, fn=fn, cfg=cfg: [fn(unmerged(x), q.cb, q.scb, **cfg) for q in qs],
-                         (x, qs), copies)
+                us = _us(lambda xs, qs, fn=fn, cfg=cfg: [fn(a, q.cb, q.scb, **cfg) for a, q in zip(xs, qs)],
+                         (xs[:copies], qs), copies)
                 err = None if isinstance(us, str) else _rel_err(fn(x, qs[0].cb, qs[0].scb, **cfg), want)
                 record(**cell, what=what, cfg=cfg, us=us, rel_err=err)
 
@@ -96,7 +99,8 @@ def large(record):
             }
             for what, (fn, a) in progs.items():
                 record(**cell, what=what, us=_us(
-                    lambda a, ws, qs, fn=fn: [fn(unmerged(a), w, q) for w, q in zip(ws, qs)], (a, ws, qs), copies))
+                    lambda avs, ws, qs, fn=fn: [fn(a, w, q) for a, w, q in zip(avs, ws, qs)],
+                    (distinct_copies(a, copies), ws, qs), copies))
 
 
 def main():

@@ -19,7 +19,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import jax_device_ms, l2_defeating_copies, unmerged
+from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
 from jqlora import ops, quant
 from jqlora.ops.products import kernel_operands_4bit
 from pallas_kernels.dequantize_4bit import dequantize_4bit
@@ -50,17 +50,19 @@ def main():
         x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
         s = jnp.asarray(1.0, jnp.bfloat16)
         progs = {
-            "x @ w.T (param)": (lambda x, ws, s: [unmerged(x) @ w.T for w in ws], ws),
-            "x @ wt (param stored K x N)": (lambda x, ws, s: [unmerged(x) @ w for w in ws], wts),
-            "x @ (w * s).T (computed)": (lambda x, ws, s: [unmerged(x) @ (w * s).T for w in ws], ws),
-            "dequant only": (lambda x, qs, s: [dequantize_4bit(*kernel_operands_4bit(q), q.code, blocksize=64,
+            "x @ w.T (param)": (lambda xs, ws, s: [x @ w.T for x, w in zip(xs, ws)], ws),
+            "x @ wt (param stored K x N)": (lambda xs, ws, s: [x @ w for x, w in zip(xs, ws)], wts),
+            "x @ (w * s).T (computed)": (lambda xs, ws, s: [x @ (w * s).T for x, w in zip(xs, ws)], ws),
+            "dequant only": (lambda xs, qs, s: [dequantize_4bit(*kernel_operands_4bit(q), q.code, blocksize=64,
                                                                out_dtype=jnp.bfloat16) for q in qs], qs),
-            "qmatmul pallas": (lambda x, qs, s: [ops.qmatmul(unmerged(x), q, backend="pallas") for q in qs], qs),
+            "qmatmul pallas": (lambda xs, qs, s: [ops.qmatmul(x, q, backend="pallas")
+                                                 for x, q in zip(xs, qs)], qs),
         }
         for what, (fn, wlist) in progs.items():
-            us = jax_device_ms(fn, x, wlist, s, iterations=10) / len(wlist) * 1e3
+            xs = distinct_copies(x, len(wlist))
+            us = jax_device_ms(fn, xs, wlist, s, iterations=10) / len(wlist) * 1e3
             rec = dict(k=k, n=n, m=m, what=what, us=round(us, 1),
-                       gemm=gemm_kinds(fn, x, wlist[:1], s))
+                       gemm=gemm_kinds(fn, xs[:1], wlist[:1], s))
             records.append(rec)
             print(json.dumps(rec), flush=True)
     with open(os.path.join(out_dir, "large_m_probe.json"), "w") as f:

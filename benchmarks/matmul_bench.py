@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import jax_device_ms, l2_defeating_copies, unmerged
+from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
 from jqlora import ops, quant
 
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
@@ -21,15 +21,15 @@ def _rand_weights(n, k, copies, seed=0):
 
 
 def _fwd(op):
-    return lambda x, ws: [op(unmerged(x), w) for w in ws]
+    return lambda xs, ws: [op(x, w) for x, w in zip(xs, ws)]
 
 
 def _fwd_bwd(op):
-    def f(x, ws, dy):
+    def f(xs, ws, dys):
         out = []
-        for w in ws:
-            y, vjp = jax.vjp(lambda xx: op(xx, w), unmerged(x))
-            out.append((y, vjp(unmerged(dy))[0]))  # keep y: an unused forward would be dead code
+        for x, w, dy in zip(xs, ws, dys):
+            y, vjp = jax.vjp(lambda xx: op(xx, w), x)
+            out.append((y, vjp(dy)[0]))  # keep y: an unused forward would be dead code
         return out
     return f
 
@@ -61,8 +61,9 @@ def bench_shape(k, n, m, variants, *, iterations=10, with_torch=True, log=print)
         "nf4": [quant.quantize_4bit(w, "nf4", 64, True) for w in (dense_w * nq)[:nq]],
         "int8": [quant.quantize_int8(w) for w in (dense_w * nq)[: l2_defeating_copies(n * k)]],
     }
-    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-    dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+    most = max(len(v) for v in weights.values())
+    xs = distinct_copies(jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16), most)
+    dys = distinct_copies(jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16), most)
     rows = {}
     for name, (kind, op) in jax_contenders(variants).items():
         if name.startswith("variant "):
@@ -72,9 +73,11 @@ def bench_shape(k, n, m, variants, *, iterations=10, with_torch=True, log=print)
         ws = weights[kind]
         row = {}
         try:
-            row["fwd_ms"] = jax_device_ms(_fwd(op), x, ws, iterations=iterations) / len(ws)
+            r = len(ws)
+            row["fwd_ms"] = jax_device_ms(_fwd(op), xs[:r], ws, iterations=iterations) / r
             if not name.startswith("variant "):
-                row["fwd_bwd_ms"] = jax_device_ms(_fwd_bwd(op), x, ws, dy, iterations=iterations) / len(ws)
+                row["fwd_bwd_ms"] = jax_device_ms(_fwd_bwd(op), xs[:r], ws, dys[:r],
+                                                  iterations=iterations) / r
         except Exception as e:  # keep the table going; the failure is recorded
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows[name] = row

@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import jax_device_ms, l2_defeating_copies, unmerged
+from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
 from jqlora import ops, quant
 from jqlora.ops.products import nested_kernel_operands_4bit
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
@@ -64,11 +64,12 @@ def main():
             x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
             cell = dict(k=k, n=n, m=m)
             record(**cell, what="bf16 dot", us=_us_per_product(
-                lambda x, ws: [unmerged(x) @ w.T for w in ws], (x, dense[:dense_copies]), dense_copies))
+                lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
+                (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies))
             for backend in ("pallas", "xla"):
                 record(**cell, what=f"qmatmul {backend}", us=_us_per_product(
-                    lambda x, qs, b=backend: [ops.qmatmul(unmerged(x), q, backend=b) for q in qs],
-                    (x, qs), copies))
+                    lambda xs, qs, b=backend: [ops.qmatmul(a, q, backend=b) for a, q in zip(xs, qs)],
+                    (distinct_copies(x, copies), qs), copies))
             for cfg in _grid(m, k):
                 def run(x, qs, cfg=cfg):
                     outs = []

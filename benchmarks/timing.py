@@ -13,12 +13,15 @@ import time
 import jax
 
 
-def unmerged(x):
-    """x behind an optimization barrier: one per product, so that XLA's dot merger cannot turn R
-    products that share x into one wide GEMM plus concatenate/slice copies. That merge happened
-    to the bf16 baseline at 4096x4096 (2026-11-21 per-kernel breakdown: 16 us of concatenate and
-    11 us of slices around an 85 us GEMM at M = 2048), which no single user call runs."""
-    return jax.lax.optimization_barrier(x)
+def distinct_copies(x, n: int) -> list:
+    """n device copies of x, one per product of a timed call. Products that share one x are merged
+    by XLA's dot merger into one wide GEMM plus concatenate/slice copies, which no single user call
+    runs: the bf16 baseline at 4096x4096, M = 2048 took 110.8 us per product merged against 89.2 us
+    with distinct copies (H200, results/..._dot_merge_probe.txt). An optimization barrier per
+    product does not prevent it (identical barriers are CSE'd; checked on the H200)."""
+    import jax.numpy as jnp
+
+    return [x] + [jnp.array(x, copy=True) for _ in range(n - 1)]
 
 
 def l2_defeating_copies(weight_bytes: int, l2_bytes: int = 60 * 2**20, cap: int = 8) -> int:
