@@ -292,7 +292,7 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
                        block_k=None, splits=None, num_warps=4, num_stages=3):
     """Small-M (M <= 64) form of `matmul_int8` (epilogue scaling): grid (N tiles, K splits), each
     program streams its (block_n, K/splits) slice of CB once against all M rows (x padded to
-    16..64 rows). With one split, SCB/127 is applied and out_dtype written in the kernel; with
+    16..64 rows in registers: rows beyond M are masked in the load). With one split, SCB/127 is applied and out_dtype written in the kernel; with
     several, the fp32 partial sums are added and scaled in XLA. Same numerics class as
     `matmul_int8(dequant="epilogue")` (different summation order).
 

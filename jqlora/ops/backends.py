@@ -30,9 +30,10 @@ DEFAULT_4BIT_FWD_LARGE = "dequant_dot"
 DEFAULT_4BIT_FWD_SMALL = "splitk_small_m"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
-# INT8 (H200 sweep, benchmarks/int8_sweep.py, 2026-11-21): at M <= 64 the split-K kernel streams
-# CB at 0.69-0.95x the bf16 GEMV time where dequant + GEMM takes 3.1-3.6x; above, the fenced
-# dequant + cuBLAS beats the tiled Triton kernels (1.01-1.24x bf16 against 1.80-2.0x at M >= 2048).
+# INT8 (H200, 2026-11-21, benchmarks/results README, session 4): at M <= 16 the split-K kernel
+# takes 0.57-0.86x the bf16 GEMM time where XLA's dequant + GEMM takes 2.9-3.8x; at M >= 2048 the
+# dequantize_int8 kernel + cuBLAS takes 1.03-1.21x where the tiled Triton kernel takes 1.44-1.84x
+# (M = 2048). The backward recomputes W the same way at every M.
 DEFAULT_INT8_FWD_SMALL = "int8_weight_only_splitk"
 DEFAULT_INT8_FWD_LARGE = "int8_dequant_dot"
 DEFAULT_INT8_BWD = "int8_dequant_dot_t"
