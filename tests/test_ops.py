@@ -229,7 +229,7 @@ def test_interpret_backend_gradients_agree_with_xla(kind, lead):
         np.testing.assert_allclose(np.asarray(gi), np.asarray(gx), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("m", [1, 3])
 def test_interpret_backend_nested_weight_small_m(m):
     """A double-quantized weight at decode sizes: the small-M kernel gets the uint8 scale codes
     and de-nests them itself (no fp32 (N, K/bs) scale array); same result as the xla path."""
@@ -265,8 +265,8 @@ def test_auto_plan_on_a_gpu_follows_the_measured_defaults(monkeypatch):
     monkeypatch.setattr(backends, "on_gpu", lambda: True)
     _, qs = _weights(64, 128)
     plan = lambda kind, m, **kw: backends.choose_plan(qs[kind], m, "auto", **kw)
-    assert plan("nf4", 1) == backends.Plan("pallas", "splitk_small_m", "dequant_dot_t")
-    assert plan("nf4", 65) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")
+    assert plan("nf4", 4) == backends.Plan("pallas", "splitk_small_m", "dequant_dot_t")
+    assert plan("nf4", 5) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")
     assert plan("int8", 64) == backends.Plan("pallas", "int8_weight_only_splitk", "int8_dequant_dot_t")
     assert plan("int8", 65) == backends.Plan("pallas", "int8_dequant_dot", "int8_dequant_dot_t")
     assert plan("int8", 1, numerics="llm_int8") == backends.Plan("xla")

@@ -16,7 +16,12 @@ from jqlora.quant import Int8Weight, Weight4bit
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
-SMALL_M = 64  # at or below this many rows the product is bandwidth-bound: stream the weight once
+SMALL_M = 64  # INT8: at or below this many rows the split-K kernel streams CB once
+# 4-bit: at or below this many rows the split-K kernel's row-wise path streams the packed weight
+# once (H200, M = 1: 1.15-1.17x bf16 against dequant_dot's 2.2-2.7x). Above it the kernel's dot
+# path is decode-bound and dequant_dot is faster: M = 16, both full H200 runs (sessions 2 and 4):
+# dequant_dot 2.13-2.55x against 2.50-2.86x on all three shapes. M = 2..4 and 17..64 untimed.
+SMALL_M_4BIT = 4
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
@@ -72,7 +77,7 @@ def _kernel_shape_problem(q) -> str | None:
 
 def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
     if isinstance(q, Weight4bit):
-        if m <= SMALL_M:
+        if m <= SMALL_M_4BIT:
             return DEFAULT_4BIT_FWD_SMALL, DEFAULT_4BIT_BWD_SMALL
         return DEFAULT_4BIT_FWD_LARGE, DEFAULT_4BIT_BWD_LARGE
     if numerics == "llm_int8":
