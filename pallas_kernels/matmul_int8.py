@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import load as _masked_load
+from pallas_kernels.matmul_4bit import dot_out
 from pallas_kernels.registry import Variant
 
 __all__ = [
@@ -438,15 +439,6 @@ def dequantize_int8(cb, scb, *, out_dtype=jnp.float32, interpret=False, block_n=
     return out[:n, :k]
 
 
-def _dot_out(a, b, dims, out_dtype):
-    """XLA dot, fp32 accumulation; 16-bit operands with a 16-bit result leave the rounding to the
-    vendor GEMM's epilogue (fp32 accumulators rounded once), which then writes out_dtype itself."""
-    if out_dtype == a.dtype and a.dtype != jnp.float32:
-        return lax.dot_general(a, b, dims)
-    return lax.dot_general(a, b, dims, precision=_precision(a.dtype),
-                           preferred_element_type=jnp.float32).astype(out_dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def matmul_int8_dequant_dot(x, cb, scb, *, out_dtype=None, interpret=False):
     """y = x @ W.T for large M: W is written once in x.dtype (exactly the reference's W_c, by the
@@ -455,7 +447,7 @@ def matmul_int8_dequant_dot(x, cb, scb, *, out_dtype=None, interpret=False):
     _check_weight("matmul_int8_dequant_dot", x, cb, scb, 1, "x")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     w = dequantize_int8(cb, scb, out_dtype=x.dtype, interpret=interpret)
-    return _dot_out(x, w, _NT, out_dtype)
+    return dot_out(x, w, _NT, out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
@@ -464,7 +456,7 @@ def matmul_int8_dequant_dot_t(dy, cb, scb, *, out_dtype=None, interpret=False):
     _check_weight("matmul_int8_dequant_dot_t", dy, cb, scb, 0, "dy")
     out_dtype = dy.dtype if out_dtype is None else jnp.dtype(out_dtype)
     w = dequantize_int8(cb, scb, out_dtype=dy.dtype, interpret=interpret)
-    return _dot_out(dy, w, _NN, out_dtype)
+    return dot_out(dy, w, _NN, out_dtype)
 
 
 def _matmul_int8_tile(x, cb, scb, *, out_dtype=None, interpret=False):
