@@ -17,3 +17,38 @@ settings.load_profile("jqlora")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def lower_for_triton(monkeypatch):
+    """`lower(label, fn, *arg_shapes)`: lower jitted fn for CUDA (Pallas -> Triton IR) without a
+    GPU, so CI checks that kernels use only ops the Triton lowering accepts. Skips the test
+    where this jax cannot lower for a GPU it does not have."""
+    try:
+        from jax._src.pallas.triton import pallas_call_registration as pcr
+    except Exception:  # pragma: no cover
+        pytest.skip("no Pallas Triton backend in this jax")
+    gi = getattr(pcr, "gpu_info_lib", None)  # jax >= 0.11 asks the device for its GPU kind
+    if gi is not None and jax.default_backend() != "gpu":
+        try:
+            info = gi.get_gpu_info_from_version(gi.GpuVersion.H100)
+        except Exception:  # pragma: no cover
+            pytest.skip("cannot fake a GPU for the Triton lowering in this jax")
+        monkeypatch.setattr(gi, "get_gpu_info", lambda: info)
+
+    def lower(label, fn, *args):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton is deprecated"
+            try:
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            except RuntimeError as e:
+                if "GPU" in str(e) and "device" in str(e):
+                    pytest.skip(f"Triton lowering needs a GPU here: {e}")
+                raise AssertionError(f"{label}: Triton lowering failed: {e}") from e
+
+    return lower

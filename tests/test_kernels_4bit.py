@@ -18,12 +18,14 @@ from hypothesis import strategies as st
 
 from pallas_kernels import dequantize_4bit as dq_mod
 from pallas_kernels import matmul_4bit as mm_mod
+from pallas_kernels import matmul_4bit_gemv as gv_mod
 from pallas_kernels import matmul_4bit_small_m as sm_mod
 from pallas_kernels import matmul_4bit_t as t_mod
 from pallas_kernels._compat import auto_interpret, cdiv, resolve_interpret
 from pallas_kernels.dequantize_4bit import (
     denest_absmax_reference, dequantize_4bit, dequantize_4bit_reference)
 from pallas_kernels.matmul_4bit import matmul_4bit, matmul_4bit_dequant_dot, matmul_4bit_reference
+from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv, matmul_4bit_gemv_reference
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m, matmul_4bit_small_m_reference
 from pallas_kernels.matmul_4bit_t import (
     matmul_4bit_t, matmul_4bit_t_dequant_dot, matmul_4bit_t_reference)
@@ -41,7 +43,8 @@ TABLES = {"nf4": NF4, "fp4": FP4}
 INTERPRET = jax.default_backend() != "gpu"
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
-MY_VARIANTS = dq_mod.VARIANTS + mm_mod.VARIANTS + t_mod.VARIANTS + sm_mod.VARIANTS
+MY_VARIANTS = (dq_mod.VARIANTS + mm_mod.VARIANTS + t_mod.VARIANTS + sm_mod.VARIANTS
+               + gv_mod.VARIANTS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -112,13 +115,12 @@ def scale_bwd(dy, w_c):
         np.asarray(w_c.astype(jnp.float32), np.float64))
 
 
-def check_forward(fn, m, n, k, bs, dtype, table, seed=0, **kw):
+def check_forward(fn, m, n, k, bs, dtype, table, seed=0, reference=matmul_4bit_reference, **kw):
     packed, absmax = make_weight(seed, n, k, bs)
     code = jnp.asarray(TABLES[table])
     x = make_x(seed + 1, (m, k), dtype)
     got = fn(x, packed, absmax, code, blocksize=bs, interpret=INTERPRET, **kw)
-    want = matmul_4bit_reference(x, packed, absmax, code, blocksize=bs,
-                                 out_dtype=kw.get("out_dtype"))
+    want = reference(x, packed, absmax, code, blocksize=bs, out_dtype=kw.get("out_dtype"))
     w_c = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=dtype)
     assert_matmul_close(got, want, scale_fwd(x, w_c), f"{fn.__name__} M={m} N={n} K={k} bs={bs}")
 
@@ -315,6 +317,69 @@ def test_splitk_small_m_nested_scales(m, n, k, bs, dt, table):
     assert_matmul_close(got, want, scale, what + " vs reference", slack=slack)
 
 
+# ------------------------------------------------------------------------------------------
+# block-scaled GEMV (M <= 4): its own oracle (fp32 weights), and how far that is from the
+# rounded-weight reference
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m,n,k,bs,dt,table", [c for c in FWD_CASES if c[0] <= 4])
+def test_gemv_block_scaled(m, n, k, bs, dt, table):
+    check_forward(matmul_4bit_gemv, m, n, k, bs, DTYPES[dt], table,
+                  reference=matmul_4bit_gemv_reference)
+
+
+@pytest.mark.parametrize("shape,kw", [
+    ((1, 40, 2048, 512, "bf16", "nf4"), dict(block_k=128)),         # 4 tiles per scale block
+    ((4, 33, 512, 32, "f16", "fp4"), dict(block_k=64, splits=2)),    # K splits, ragged N
+    ((2, 40, 1024, 64, "bf16", "nf4"), dict(block_n=8, block_k=1024, splits=1,
+                                            out_dtype=jnp.float32)),
+    ((3, 24, 256, 128, "f32", "fp4"), dict(num_warps=2, num_stages=2)),
+])
+def test_gemv_block_scaled_options(shape, kw):
+    m, n, k, bs, dt, table = shape
+    check_forward(matmul_4bit_gemv, m, n, k, bs, DTYPES[dt], table,
+                  reference=matmul_4bit_gemv_reference, **kw)
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16", "f16"])
+def test_gemv_block_scaled_against_the_rounded_weight_reference(dt):
+    """The documented difference: none for fp32 x; for bf16/fp16 x at most half an ulp of x's
+    dtype per product (the rounded-weight reference rounds each weight, this kernel does not)."""
+    dtype = DTYPES[dt]
+    m, n, k, bs = 3, 40, 1024, 64
+    packed, absmax = make_weight(31, n, k, bs)
+    code = jnp.asarray(NF4)
+    x = make_x(32, (m, k), dtype)
+    got = matmul_4bit_gemv(x, packed, absmax, code, blocksize=bs, interpret=INTERPRET)
+    want = matmul_4bit_reference(x, packed, absmax, code, blocksize=bs)
+    scale = scale_fwd(x, dequantize_4bit_reference(packed, absmax, code, blocksize=bs,
+                                                   out_dtype=dtype))
+    slack = 0.0 if dtype == jnp.float32 else float(jnp.finfo(dtype).eps) / 2
+    assert_matmul_close(got, want, scale, f"gemv vs rounded-weight reference ({dt})", slack=slack)
+
+
+@pytest.mark.parametrize("m,n,k,bs,dt,table", [c for c in NESTED_CASES if c[0] <= 4])
+def test_gemv_block_scaled_nested_scales(m, n, k, bs, dt, table):
+    """De-nesting in-kernel = the same kernel on numpy-de-nested fp32 scales, and = the oracle."""
+    dtype = DTYPES[dt]
+    packed, _ = make_weight(21, n, k, bs)
+    codes, nested, absmax = make_nested(22, n, k, bs)
+    code = jnp.asarray(TABLES[table])
+    x = make_x(23, (m, k), dtype)
+    got = matmul_4bit_gemv(x, packed, codes, code, blocksize=bs, nested=nested,
+                           interpret=INTERPRET)
+    flat = matmul_4bit_gemv(x, packed, absmax, code, blocksize=bs, interpret=INTERPRET)
+    want = matmul_4bit_gemv_reference(x, packed, codes, code, blocksize=bs, nested=nested)
+    scale = scale_fwd(x, dequantize_4bit_reference(packed, absmax, code, blocksize=bs,
+                                                   out_dtype=dtype))
+    what = f"gemv nested M={m} N={n} K={k} bs={bs}"
+    assert_matmul_close(got, flat, scale, what + " vs fp32 scales")
+    assert_matmul_close(got, want, scale, what + " vs reference")
+    for fn in (matmul_4bit_gemv, matmul_4bit_gemv_reference):
+        with pytest.raises(ValueError, match="`nested_code`"):
+            fn(x, packed, codes, code, blocksize=bs, interpret=True,
+               nested=(nested[0], nested[1][:16], nested[2]))
+
+
 def test_denest_reference_bit_exact():
     """Two roundings (product, then + offset) eager and under jit, where XLA would fuse an FMA."""
     codes, nested, absmax = make_nested(24, 40, 1024, 128)
@@ -424,8 +489,11 @@ def test_variants_registered():
         assert not v.supports(1, 64, 96, 48)       # blocksize not a power of two
         assert not v.supports(1, 64, 32, 16)       # blocksize below 32
     assert by_name["splitk_small_m"].supports(64, 64, 128, 64)
-    assert {v.name for v in MY_VARIANTS if v.accepts_nested} == {"splitk_small_m"}
+    assert {v.name for v in MY_VARIANTS if v.accepts_nested} == {"splitk_small_m",
+                                                                 "gemv_block_scaled"}
     assert not by_name["splitk_small_m"].supports(65, 64, 128, 64)
+    assert by_name["gemv_block_scaled"].supports(4, 64, 128, 64)
+    assert not by_name["gemv_block_scaled"].supports(5, 64, 128, 64)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -448,12 +516,20 @@ def test_bad_inputs_raise_clear_errors():
                             blocksize=64, interpret=True)
     with pytest.raises(ValueError, match="code"):
         matmul_4bit(x, packed, absmax, code[:8], blocksize=64, interpret=True)
+    with pytest.raises(ValueError, match="M=5"):
+        matmul_4bit_gemv(make_x(0, (5, 128), jnp.float32), packed, absmax, code, blocksize=64,
+                         interpret=True)
+    with pytest.raises(ValueError, match="splits=3"):
+        matmul_4bit_gemv(x, packed, absmax, code, blocksize=64, block_k=64, splits=3,
+                         interpret=True)
+    with pytest.raises(ValueError, match="powers of two"):
+        matmul_4bit_gemv(x, packed, absmax, code, blocksize=64, block_n=24, interpret=True)
 
 
 def test_empty_m():
     packed, absmax = make_weight(0, 8, 64, 32)
     code = jnp.asarray(NF4)
-    for fn in (matmul_4bit, matmul_4bit_small_m):
+    for fn in (matmul_4bit, matmul_4bit_small_m, matmul_4bit_gemv):
         y = fn(jnp.zeros((0, 64), jnp.bfloat16), packed, absmax, code, blocksize=32, interpret=True)
         assert y.shape == (0, 8) and y.dtype == jnp.bfloat16
     y = matmul_4bit_t(jnp.zeros((0, 8), jnp.float32), packed, absmax, code, blocksize=32,
@@ -467,3 +543,51 @@ def test_compat_helpers():
     assert resolve_interpret(None) == auto_interpret()
     if jax.default_backend() == "cpu":
         assert auto_interpret() is True
+
+
+def test_kernels_lower_for_triton(lower_for_triton):
+    """Every 4-bit kernel lowers for CUDA (Pallas -> Triton IR) without a GPU, flat and nested
+    scales, ragged N, K tiles narrower than a scale block."""
+    n, k = 72, 1024
+    dt = jnp.bfloat16
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    packed, code = sds((n, k // 2), jnp.uint8), sds((16,), jnp.float32)
+
+    def weight(bs, nested=False):
+        if not nested:
+            return packed, sds((n, k // bs), jnp.float32), code
+        return packed, sds((n, k // bs), jnp.uint8), code
+
+    def nested_ops(bs):
+        return (jnp.ones((cdiv(n * k // bs, 256),), jnp.float32), jnp.ones((256,), jnp.float32),
+                jnp.float32(0.5))
+
+    x1, x3, x17, dy = sds((1, k), dt), sds((3, k), dt), sds((17, k), dt), sds((17, n), dt)
+    jobs = {
+        "dequant_tiled": (lambda p, a, c: dequantize_4bit(p, a, c, blocksize=64),
+                          weight(64)),
+        "fused_tiled": (lambda x, p, a, c: matmul_4bit(x, p, a, c, blocksize=64),
+                        (x17, *weight(64))),
+        "fused_tiled_t": (lambda d, p, a, c: matmul_4bit_t(d, p, a, c, blocksize=64),
+                          (dy, *weight(64))),
+        "splitk_small_m nested": (
+            lambda x, p, a, c: matmul_4bit_small_m(x, p, a, c, blocksize=64,
+                                                   nested=nested_ops(64)),
+            (x1, *weight(64, nested=True))),
+        "splitk_small_m dots": (lambda x, p, a, c: matmul_4bit_small_m(x, p, a, c, blocksize=64),
+                                (x17, *weight(64))),
+        "gemv_block_scaled": (lambda x, p, a, c: matmul_4bit_gemv(x, p, a, c, blocksize=64),
+                              (x3, *weight(64))),
+        "gemv_block_scaled nested": (
+            lambda x, p, a, c: matmul_4bit_gemv(x, p, a, c, blocksize=64, nested=nested_ops(64),
+                                                block_n=16, splits=1),
+            (x1, *weight(64, nested=True))),
+        "gemv_block_scaled tile < block": (
+            lambda x, p, a, c: matmul_4bit_gemv(x, p, a, c, blocksize=512, block_k=128),
+            (x1, *weight(512))),
+    }
+    for label, (fn, args) in jobs.items():
+        lower_for_triton(label, fn, *args)

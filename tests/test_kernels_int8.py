@@ -21,7 +21,6 @@ Tolerances (elementwise, |got - want| <= bound):
 from __future__ import annotations
 
 import logging
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -386,20 +385,9 @@ def test_property_kernels_match_references(name, m, n, k, dtype, threshold, zero
 
 
 # ----------------------------------------------------------------------------- Triton lowering
-def test_kernels_lower_for_triton(monkeypatch):
+def test_kernels_lower_for_triton(lower_for_triton):
     """Lower every kernel for the CUDA platform (Pallas -> Triton IR) without a GPU: checks that the
     kernels only use ops the Triton lowering accepts (power-of-two tiles, int8 dot, ...)."""
-    try:
-        from jax._src.pallas.triton import pallas_call_registration as pcr
-    except Exception:  # pragma: no cover
-        pytest.skip("no Pallas Triton backend in this jax")
-    gi = getattr(pcr, "gpu_info_lib", None)  # jax >= 0.11 asks the device for its GPU kind
-    if gi is not None and jax.default_backend() != "gpu":
-        try:
-            info = gi.get_gpu_info_from_version(gi.GpuVersion.H100)
-        except Exception:  # pragma: no cover
-            pytest.skip("cannot fake a GPU for the Triton lowering in this jax")
-        monkeypatch.setattr(gi, "get_gpu_info", lambda: info)
     m, n, k = 130, 72, 320  # K/64 = 5 tiles (the flag array is not a power of two)
     dt = jnp.bfloat16
     x = jax.ShapeDtypeStruct((m, k), dt)
@@ -427,15 +415,8 @@ def test_kernels_lower_for_triton(monkeypatch):
         "llm_int8_t0_f32": (lambda a, b, c: ml.llm_int8_matmul(a.astype(jnp.float32), b, c),
                             (x, cb, scb)),
     }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # "Pallas Triton is deprecated"
-        for label, (fn, args) in jobs.items():
-            try:
-                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-            except RuntimeError as e:
-                if "GPU" in str(e) and "device" in str(e):
-                    pytest.skip(f"Triton lowering needs a GPU here: {e}")
-                raise AssertionError(f"{label}: Triton lowering failed: {e}") from e
+    for label, (fn, args) in jobs.items():
+        lower_for_triton(label, fn, *args)
 
 
 # ----------------------------------------------------------------------------- bitsandbytes

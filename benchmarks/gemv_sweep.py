@@ -1,0 +1,140 @@
+"""Block-scaled 4-bit GEMV sweep (M = 1 and 4) against the split-K kernel and the bf16 GEMV.
+
+    OUT=/tmp/out SWEEP_BUDGET=150 python -m benchmarks.gemv_sweep
+
+NF4, blocksize 64, double quant, de-nested in-kernel (as `qmatmul` calls the kernels). Stage 1
+times the whole config grid at M = 1 on the first two shapes; stage 2 times the best configs of
+stage 1 at every (shape, M). SWEEP_BUDGET/4 seconds cap stage 1 per shape. Each record is one JSON line on stdout (device time per product,
+weight streamed from HBM, distinct x per product: benchmarks/timing.py) and all of them go to
+$OUT/gemv_sweep.json. `max_abs_err` checks each timed output against the kernel's oracle.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
+from jqlora import quant
+from jqlora.ops.products import nested_kernel_operands_4bit
+from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv, matmul_4bit_gemv_reference
+from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
+
+SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
+GRID = [dict(block_n=bn, block_k=bk, num_warps=nw, splits=sp)
+        for bn, bk, nw, sp in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8),
+                                                (None, 1))]
+random.Random(0).shuffle(GRID)  # a budget cut then samples the whole grid
+
+
+def _us(fn, args, copies):
+    try:
+        return jax_device_ms(fn, *args, iterations=10) / copies * 1e3
+    except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _kernel_runner(kernel, cfg):
+    def run(xs, qs):
+        outs = []
+        for x, q in zip(xs, qs):
+            packed, codes, nested = nested_kernel_operands_4bit(q)
+            outs.append(kernel(x, packed, codes, q.code, blocksize=64, nested=nested, **cfg))
+        return outs
+    return run
+
+
+def _max_abs_err(x, q, cfg):
+    packed, codes, nested = nested_kernel_operands_4bit(q)
+    got = matmul_4bit_gemv(x, packed, codes, q.code, blocksize=64, nested=nested, **cfg)
+    want = matmul_4bit_gemv_reference(x, packed, codes, q.code, blocksize=64, nested=nested)
+    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+
+
+def main():
+    out_dir = os.environ.get("OUT", "/tmp")
+    budget = float(os.environ.get("SWEEP_BUDGET", "150"))
+    records = []
+
+    def record(**kw):
+        records.append(kw)
+        print(json.dumps(kw), flush=True)
+
+    setups = {}
+    for k, n in SHAPES_KN:
+        copies = l2_defeating_copies(n * k // 2)
+        dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
+                 for i in range(copies)]
+        setups[(k, n)] = (copies, dense, [quant.quantize_4bit(w, "nf4", 64, True) for w in dense])
+
+    def cell_baselines(k, n, m):
+        copies, dense, qs = setups[(k, n)]
+        x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
+        dense_copies = l2_defeating_copies(n * k * 2)
+        cell = dict(k=k, n=n, m=m)
+        record(**cell, what="bf16 dot", us=_us(
+            lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
+            (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies))
+        record(**cell, what="splitk_small_m", us=_us(
+            _kernel_runner(matmul_4bit_small_m, {}), (distinct_copies(x, copies), qs), copies))
+        return cell, x, copies, qs
+
+    stage1 = []
+    for k, n in SHAPES_KN[:2]:
+        t_shape = time.time()
+        cell, x, copies, qs = cell_baselines(k, n, 1)
+        for cfg in GRID:
+            us = _us(_kernel_runner(matmul_4bit_gemv, cfg), (distinct_copies(x, copies), qs),
+                     copies)
+            record(**cell, what="gemv", cfg=cfg, us=us)
+            if isinstance(us, float):
+                stage1.append((k, n, json.dumps(cfg, sort_keys=True), us))
+            if time.time() - t_shape > budget / 4:
+                break
+    # best configs: lowest mean rank over the stage-1 shapes
+    ranks: dict[str, list[int]] = {}
+    for shape in SHAPES_KN[:2]:
+        rows = sorted((us, c) for k, n, c, us in stage1 if (k, n) == shape)
+        for i, (_, c) in enumerate(rows):
+            ranks.setdefault(c, []).append(i)
+    best = sorted(ranks, key=lambda c: sum(ranks[c]) / len(ranks[c]))[:6]
+    default = json.dumps({}, sort_keys=True)
+    for k, n in SHAPES_KN:
+        for m in (1, 4):
+            cell, x, copies, qs = cell_baselines(k, n, m)
+            for c in [default, *best]:
+                cfg = json.loads(c)
+                record(**cell, what="gemv", cfg=cfg, stage=2, us=_us(
+                    _kernel_runner(matmul_4bit_gemv, cfg), (distinct_copies(x, copies), qs),
+                    copies), max_abs_err=_max_abs_err(x, qs[0], cfg))
+    with open(os.path.join(out_dir, "gemv_sweep.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    _summary(records)
+
+
+def _summary(records):
+    """One line per (shape, M): bf16 GEMV, split-K kernel, default and best GEMV config."""
+    cells = sorted({(r["k"], r["n"], r["m"]) for r in records})
+    for cell in cells:
+        rows = [r for r in records if (r["k"], r["n"], r["m"]) == cell and
+                isinstance(r["us"], float)]
+        base = next((r["us"] for r in rows if r["what"] == "bf16 dot"), float("nan"))
+        splitk = next((r["us"] for r in rows if r["what"] == "splitk_small_m"), float("nan"))
+        gemv = [r for r in rows if r["what"] == "gemv"]
+        dflt = next((r["us"] for r in gemv if r["cfg"] == {} and r.get("stage") == 2),
+                    float("nan"))
+        best = min(gemv, key=lambda r: r["us"], default=None)
+        line = (f"K={cell[0]} N={cell[1]} M={cell[2]}: bf16 {base:.2f} us; splitk "
+                f"{splitk:.2f} ({splitk / base:.2f}); gemv default {dflt:.2f} ({dflt / base:.2f})")
+        if best is not None:
+            line += f"; best {best['us']:.2f} ({best['us'] / base:.2f}) {best['cfg']}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""4-bit GEMV (M <= 4 rows) with block-wise scaling: y = x @ dequant(W).T in fp32.
+
+At decode time the product is bound by how many instructions each weight costs, not by bytes:
+the split-K kernel (`matmul_4bit_small_m`) spends about 10 per weight (ncu, H200), because it
+rebuilds every weight as the reference does (code * absmax in fp32, rounded to x's dtype,
+widened again) before its multiply-add. This kernel uses the block structure instead:
+
+    y[m, n] = sum_b absmax[n, b] * sum_{k in block b} x[m, k] * code[q[n, k]]
+
+so each weight costs one table load and one multiply-add, and the scale one multiply per
+(row, block). The packed weight is viewed as (N, K / 2c, c) chunks of c bytes that never cross
+a scale block (a free reshape in the wrapper), so the block sums are a reduction over the last
+axis of a 3-D tile: no in-kernel reshape. x is viewed as (M, K / 2c, c, 2) and its even/odd
+columns (high/low nibbles) are split in registers.
+
+Numerics: the weight is never rounded to x's dtype. The oracle `matmul_4bit_gemv_reference` is
+x (as fp32) @ the fp32 dequantized weight, fp32 accumulation, one rounding of the output. For
+fp32 x this equals `matmul_4bit_reference`; for bf16/fp16 x that reference rounds each weight
+first, and the two differ by up to half an ulp of x's dtype per product (this one is the closer
+to the exact product).
+
+Grid (N tiles, K splits) as in the split-K kernel; with one split the kernel writes out_dtype
+itself, else the fp32 partials are summed by XLA. Double-quantized scales are de-nested
+in-kernel (`nested=`), one gather pair per (row, block).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels._compat import cdiv
+from pallas_kernels.dequantize_4bit import (
+    HIGHEST, check_4bit_nested_operands, check_4bit_operands, denest_absmax_reference,
+    denest_tile, dequantize_4bit_reference, supports_4bit)
+from pallas_kernels.matmul_4bit import check_x
+from pallas_kernels.registry import Variant
+
+MAX_M = 4
+_TARGET_PROGRAMS = 1024  # ~8 per SM on a 132-SM H100/H200
+
+
+def supports_gemv(m: int, n: int, k: int, blocksize: int) -> bool:
+    return m <= MAX_M and supports_4bit(m, n, k, blocksize)
+
+
+def matmul_4bit_gemv_reference(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
+                               interpret: bool = False, nested=None):
+    """Oracle: dot(x as fp32, fp32 dequant(W).T, fp32 accumulate).astype(out_dtype)."""
+    del interpret
+    what = "matmul_4bit_gemv_reference"
+    if nested is not None:
+        check_4bit_nested_operands(packed, absmax, code, nested, blocksize, what=what)
+        absmax = denest_absmax_reference(absmax, *nested)
+    n, k = check_4bit_operands(packed, absmax, code, blocksize, what=what)
+    check_x(x, k, what=what)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    w = dequantize_4bit_reference(packed, absmax, code, blocksize=blocksize,
+                                  out_dtype=jnp.float32)
+    y = jnp.dot(x.astype(jnp.float32), w.T, preferred_element_type=jnp.float32,
+                precision=HIGHEST)
+    return y.astype(out_dtype)
+
+
+def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: int,
+                 nested: bool):
+    x_ref, packed_ref, absmax_ref, code_ref, *rest = refs
+    if nested:
+        nested_absmax_ref, nested_code_ref, offset_ref, out_ref = rest
+        offset = offset_ref[0]
+    else:
+        (out_ref,) = rest
+    j, s = pl.program_id(0), pl.program_id(1)
+    ragged = n % bn != 0
+    rows = j * bn + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)
+    wmask3 = (rows < n)[:, :, None] if ragged else None
+    amask = (rows < n) if ragged else None
+    # per_block > 1: each chunk is a part of one scale block and a tile (gc = 1) has one scale.
+    g = gc if per_block == 1 else 1
+
+    def body(t, accs):
+        u0 = pl.multiple_of((s * tps + t) * gc, gc)  # first chunk of this tile
+        p = _compat.load(packed_ref.at[:, pl.ds(u0, gc), :], mask=wmask3, other=0)
+        p = p.astype(jnp.int32)
+        v_hi = code_ref[p >> 4]  # (bn, gc, c) fp32: x[2j] pairs with the high nibble
+        v_lo = code_ref[p & 15]
+        c0 = u0 // per_block
+        am = _compat.load(absmax_ref.at[:, pl.ds(c0, g)], mask=amask, other=0)
+        if nested:
+            am = denest_tile(am, j * bn, c0, nested_absmax_ref, nested_code_ref, offset,
+                             ncols=absmax_ref.shape[1])
+        out = []
+        for r in range(m):
+            xe, xo = lax.unstack(x_ref[r, pl.ds(u0, gc), :, :].astype(jnp.float32), axis=2)
+            block_sums = jnp.sum(v_hi * xe[None] + v_lo * xo[None], axis=2)  # (bn, gc)
+            out.append(accs[r] + block_sums * am)
+        return tuple(out)
+
+    accs = lax.fori_loop(0, tps, body, tuple(jnp.zeros((bn, g), jnp.float32) for _ in range(m)))
+    cmask = None
+    if ragged:
+        cmask = (j * bn + lax.broadcasted_iota(jnp.int32, (1, bn), 1)) < n
+    for r in range(m):
+        y = jnp.sum(accs[r], axis=1)
+        _compat.store(out_ref.at[pl.ds(r, 1), :], y[None, :].astype(out_ref.dtype), mask=cmask)
+
+
+def _default_splits(n_tiles: int, nk: int, k: int, m: int) -> int:
+    """Largest divisor of the K tile count giving <= ~_TARGET_PROGRAMS programs (>= 32 K
+    columns per row and split)."""
+    cap = max(1, min(_TARGET_PROGRAMS // n_tiles, k // (32 * max(m, 1)), nk))
+    for d in range(cap, 0, -1):
+        if nk % d == 0:
+            return d
+    return 1
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "blocksize", "out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
+    "num_stages"))
+def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
+                     interpret: bool = False, block_n: int | None = None,
+                     block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
+                     num_stages: int = 3, nested=None):
+    """y (M, N) = x (M, K) @ dequant(W).T for M <= 4, scaled per block in fp32 (see module doc).
+
+    block_k counts weight columns per tile (two per byte; a power of two); `splits` K splits
+    (must divide the number of K tiles; default: enough programs to fill the GPU).
+    nested = (nested_absmax, nested_code, offset) with `absmax` the uint8 (N, K//bs) codes of
+    double-quantized scales: de-nested in-kernel.
+    """
+    what = "matmul_4bit_gemv"
+    if nested is None:
+        n, k = check_4bit_operands(packed, absmax, code, blocksize, what=what)
+    else:
+        n, k = check_4bit_nested_operands(packed, absmax, code, nested, blocksize, what=what)
+    check_x(x, k, what=what)
+    m = x.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"{what}: M={m} > {MAX_M}; use matmul_4bit_small_m or matmul_4bit")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    bn = block_n or 32
+    bk = block_k or 256
+    if not (_compat.is_pow2(bn) and _compat.is_pow2(bk) and bk >= 2):
+        raise ValueError(f"{what}: block_n and block_k must be powers of two, got {bn}, {bk}")
+    half_block = blocksize // 2  # bytes per scale block in a row
+    bkb = min(bk // 2, k // 2)  # bytes per tile row; K / 2 is a multiple of half_block
+    bkb = _compat.largest_pow2_divisor(k // 2, bkb)
+    c = min(half_block, bkb)  # chunk bytes: within one scale block
+    gc = bkb // c  # chunks per tile (1 when a tile is at most one block)
+    per_block = half_block // c  # chunks per scale block (1 when c = half_block)
+    u = k // (2 * c)
+    nk = u // gc
+    n_tiles = cdiv(n, bn)
+    if splits is None:
+        splits = _default_splits(n_tiles, nk, k, m)
+    elif splits < 1 or nk % splits != 0:
+        raise ValueError(f"{what}: splits={splits} must divide the {nk} K tiles")
+    part_dtype = out_dtype if splits == 1 else jnp.float32
+    kernel = functools.partial(_gemv_kernel, m=m, n=n, bn=bn, gc=gc, per_block=per_block,
+                               tps=nk // splits, nested=nested is not None)
+    nested_ops, nested_specs = (), []
+    if nested is not None:
+        nested_absmax, nested_code, offset = nested
+        nested_ops = (nested_absmax, nested_code, jnp.reshape(offset, (1,)))
+        nested_specs = [pl.BlockSpec(a.shape, lambda j, s: (0,)) for a in nested_ops]
+    partial = _compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((splits, m, n), part_dtype),
+        grid=(n_tiles, splits),
+        in_specs=[
+            pl.BlockSpec((m, u, c, 2), lambda j, s: (0, 0, 0, 0)),
+            pl.BlockSpec((bn, u, c), lambda j, s: (j, 0, 0)),
+            pl.BlockSpec((bn, k // blocksize), lambda j, s: (j, 0)),
+            pl.BlockSpec((16,), lambda j, s: (0,)),
+            *nested_specs,
+        ],
+        out_specs=pl.BlockSpec((_compat.SQUEEZED, m, bn), lambda j, s: (s, 0, j)),
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        name="matmul_4bit_gemv",
+    )(x.reshape(m, u, c, 2), packed.reshape(n, u, c), absmax, code, *nested_ops)
+    y = partial[0] if splits == 1 else jnp.sum(partial, axis=0)
+    return y.astype(out_dtype)
+
+
+VARIANTS = (
+    Variant(
+        name="gemv_block_scaled",
+        op="matmul_4bit",
+        fn=matmul_4bit_gemv,
+        reference=matmul_4bit_gemv_reference,
+        supports=supports_gemv,
+        description="Pallas/Triton 4-bit GEMV for M <= 4: fp32 code[q] * x summed per scale "
+                    "block, then one multiply by the block's absmax (about half the "
+                    "instructions per weight of splitk_small_m); the weight is not rounded to "
+                    "x's dtype. Grid (N tiles, K splits). De-nests double-quantized scales "
+                    "in-kernel (nested=).",
+        accepts_nested=True,
+    ),
+)
