@@ -3,6 +3,9 @@
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:matmul_4bit_splitk \
         --launch-skip 2 --launch-count 1 --set detailed python -m benchmarks.profile_small_m q 1
 
+Modes: q (NF4 qmatmul), int8, dense, and gemv (the block-scaled GEMV kernel on double-quantized
+NF4, nested in-kernel): `... profile_small_m gemv 1 4096 14336 block_n=32 block_k=512`.
+
 Without preallocation off, ncu cannot save and restore device memory for kernel replay.
 """
 from __future__ import annotations
@@ -20,17 +23,27 @@ def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
     mode, m = args[0], int(args[1])
     k, n = (int(args[2]), int(args[3])) if len(args) > 3 else (4096, 14336)
+    cfg = {key: int(v) for key, v in (a.split("=") for a in args[4:])}
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.standard_normal((m, k), np.float32).astype(jnp.bfloat16))
     if mode in ("q", "int8"):
         w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
         q = quant.quantize_4bit(w, "nf4", 64, True) if mode == "q" else quant.quantize_int8(w)
         f = jax.jit(lambda x: ops.qmatmul(x, q, backend="pallas"))
+    elif mode == "gemv":
+        from jqlora.ops.products import nested_kernel_operands_4bit
+        from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv
+
+        w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
+        q = quant.quantize_4bit(w, "nf4", 64, True)
+        packed, codes, nested = nested_kernel_operands_4bit(q)
+        f = jax.jit(lambda x: matmul_4bit_gemv(x, packed, codes, q.code, blocksize=64,
+                                               nested=nested, **cfg))
     elif mode == "dense":
         w = jax.device_put((rng.standard_normal((n, k), np.float32) * 0.02).astype(jnp.bfloat16))
         f = jax.jit(lambda x: jnp.dot(x, w.T))
     else:
-        raise SystemExit(f"mode must be 'q' (NF4), 'int8' or 'dense', got {mode!r}")
+        raise SystemExit(f"mode must be 'q' (NF4), 'int8', 'gemv' or 'dense', got {mode!r}")
     for _ in range(5):
         jax.block_until_ready(f(x))
 

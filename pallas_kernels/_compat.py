@@ -77,6 +77,18 @@ def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret: bool
     return pl.pallas_call(kernel, **kwargs)
 
 
+def fma_f32(a, b, c, *, interpret: bool):
+    """a * b + c for float32 tensors of one shape, as one fused multiply-add on the GPU (inline
+    PTX: the Triton lowering emits a multiply and an add, which LLVM does not contract here).
+    Interpret mode computes a * b + c with jnp (XLA may or may not fuse it)."""
+    if interpret:
+        return a * b + c
+    (out,) = plgpu.elementwise_inline_asm(
+        "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, a.dtype)])
+    return out
+
+
 def load(ref, *, mask=None, other=None):
     """Masked load (Triton `tl.load` semantics); plain `ref[...]` when mask is None."""
     if mask is None:

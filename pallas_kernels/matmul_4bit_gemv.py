@@ -42,6 +42,14 @@ from pallas_kernels.registry import Variant
 
 MAX_M = 4
 _TARGET_PROGRAMS = 1024  # ~8 per SM on a 132-SM H100/H200
+# (block_n, block_k, num_warps) from H200 sweeps at M = 1 (benchmarks/gemv_sweep.py, results
+# in benchmarks/results): 64x256 with 8 warps was best at 4096x4096 (9.8 us against 10.5 for
+# 32x512) but 25% slower at the 14336 shapes, where 32x512 with 4 warps was best.
+_SMALL_WEIGHT = 4096 * 4096
+
+
+def default_config(n: int, k: int) -> tuple[int, int, int]:
+    return (64, 256, 8) if n * k <= _SMALL_WEIGHT else (32, 512, 4)
 
 
 def supports_gemv(m: int, n: int, k: int, blocksize: int) -> bool:
@@ -67,7 +75,7 @@ def matmul_4bit_gemv_reference(x, packed, absmax, code, *, blocksize: int, out_d
 
 
 def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: int,
-                 nested: bool):
+                 nested: bool, fma: bool, interpret: bool):
     x_ref, packed_ref, absmax_ref, code_ref, *rest = refs
     if nested:
         nested_absmax_ref, nested_code_ref, offset_ref, out_ref = rest
@@ -96,7 +104,13 @@ def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: i
         out = []
         for r in range(m):
             xe, xo = lax.unstack(x_ref[r, pl.ds(u0, gc), :, :].astype(jnp.float32), axis=2)
-            block_sums = jnp.sum(v_hi * xe[None] + v_lo * xo[None], axis=2)  # (bn, gc)
+            if fma:  # one FMUL + one FFMA per byte instead of two FMUL + one FADD
+                hi = v_hi * xe[None]
+                pair = _compat.fma_f32(v_lo, jnp.broadcast_to(xo[None], hi.shape), hi,
+                                       interpret=interpret)
+            else:
+                pair = v_hi * xe[None] + v_lo * xo[None]
+            block_sums = jnp.sum(pair, axis=2)  # (bn, gc)
             out.append(accs[r] + block_sums * am)
         return tuple(out)
 
@@ -121,15 +135,18 @@ def _default_splits(n_tiles: int, nk: int, k: int, m: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=(
     "blocksize", "out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
-    "num_stages"))
+    "num_stages", "fma"))
 def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                      interpret: bool = False, block_n: int | None = None,
-                     block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
-                     num_stages: int = 3, nested=None):
+                     block_k: int | None = None, splits: int | None = None,
+                     num_warps: int | None = None, num_stages: int = 3, nested=None,
+                     fma: bool = True):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 4, scaled per block in fp32 (see module doc).
 
     block_k counts weight columns per tile (two per byte; a power of two); `splits` K splits
-    (must divide the number of K tiles; default: enough programs to fill the GPU).
+    (must divide the number of K tiles; default: enough programs to fill the GPU). Unset
+    block_n/block_k/num_warps come from `default_config`. fma: one fused multiply-add per byte
+    (inline PTX; measured 1% faster at M = 1 and 3-5% at M = 2 on an H200).
     nested = (nested_absmax, nested_code, offset) with `absmax` the uint8 (N, K//bs) codes of
     double-quantized scales: de-nested in-kernel.
     """
@@ -145,8 +162,10 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    bn = block_n or 32
-    bk = block_k or 256
+    dflt = default_config(n, k)
+    bn = block_n or dflt[0]
+    bk = block_k or dflt[1]
+    num_warps = num_warps or dflt[2]
     if not (_compat.is_pow2(bn) and _compat.is_pow2(bk) and bk >= 2):
         raise ValueError(f"{what}: block_n and block_k must be powers of two, got {bn}, {bk}")
     half_block = blocksize // 2  # bytes per scale block in a row
@@ -164,7 +183,8 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
         raise ValueError(f"{what}: splits={splits} must divide the {nk} K tiles")
     part_dtype = out_dtype if splits == 1 else jnp.float32
     kernel = functools.partial(_gemv_kernel, m=m, n=n, bn=bn, gc=gc, per_block=per_block,
-                               tps=nk // splits, nested=nested is not None)
+                               tps=nk // splits, nested=nested is not None, fma=fma,
+                               interpret=_compat.resolve_interpret(interpret))
     nested_ops, nested_specs = (), []
     if nested is not None:
         nested_absmax, nested_code, offset = nested

@@ -332,7 +332,7 @@ def test_gemv_block_scaled(m, n, k, bs, dt, table):
     ((4, 33, 512, 32, "f16", "fp4"), dict(block_k=64, splits=2)),    # K splits, ragged N
     ((2, 40, 1024, 64, "bf16", "nf4"), dict(block_n=8, block_k=1024, splits=1,
                                             out_dtype=jnp.float32)),
-    ((3, 24, 256, 128, "f32", "fp4"), dict(num_warps=2, num_stages=2)),
+    ((3, 24, 256, 128, "f32", "fp4"), dict(num_warps=2, num_stages=2, fma=True)),
 ])
 def test_gemv_block_scaled_options(shape, kw):
     m, n, k, bs, dt, table = shape
@@ -585,6 +585,9 @@ def test_kernels_lower_for_triton(lower_for_triton):
             lambda x, p, a, c: matmul_4bit_gemv(x, p, a, c, blocksize=64, nested=nested_ops(64),
                                                 block_n=16, splits=1),
             (x1, *weight(64, nested=True))),
+        "gemv_block_scaled fma": (
+            lambda x, p, a, c: matmul_4bit_gemv(x, p, a, c, blocksize=64, fma=True),
+            (x3, *weight(64))),
         "gemv_block_scaled tile < block": (
             lambda x, p, a, c: matmul_4bit_gemv(x, p, a, c, blocksize=512, block_k=128),
             (x1, *weight(512))),

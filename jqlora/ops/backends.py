@@ -22,6 +22,10 @@ SMALL_M = 64  # INT8: at or below this many rows the split-K kernel streams CB o
 # path is decode-bound and dequant_dot is faster: M = 16, both full H200 runs (sessions 2 and 4):
 # dequant_dot 2.13-2.55x against 2.50-2.86x on all three shapes. M = 2..4 and 17..64 untimed.
 SMALL_M_4BIT = 4
+# 4-bit, at or below this many rows: the block-scaled GEMV (H200, session 5, same run: M = 1
+# 0.86-0.88x bf16 against the split-K kernel's 1.11-1.17x; M = 2 1.21-1.26x against 1.27-1.36x;
+# at M = 3 and 4 the split-K kernel is faster, 1.34-1.67x against 1.42-1.82x).
+GEMV_MAX_M_4BIT = 2
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
@@ -33,6 +37,7 @@ SMALL_M_4BIT = 4
 # not timed at small M in that run (benchmarks/results/README.md).
 DEFAULT_4BIT_FWD_LARGE = "dequant_dot"
 DEFAULT_4BIT_FWD_SMALL = "splitk_small_m"
+DEFAULT_4BIT_FWD_GEMV = "gemv_block_scaled"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
 # INT8 (H200, 2026-11-21, benchmarks/results README, session 4): at M <= 16 the split-K kernel
@@ -77,6 +82,8 @@ def _kernel_shape_problem(q) -> str | None:
 
 def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
     if isinstance(q, Weight4bit):
+        if m <= GEMV_MAX_M_4BIT:
+            return DEFAULT_4BIT_FWD_GEMV, DEFAULT_4BIT_BWD_SMALL
         if m <= SMALL_M_4BIT:
             return DEFAULT_4BIT_FWD_SMALL, DEFAULT_4BIT_BWD_SMALL
         return DEFAULT_4BIT_FWD_LARGE, DEFAULT_4BIT_BWD_LARGE
