@@ -1,12 +1,15 @@
 """Block-scaled 4-bit GEMV sweep (M = 1 and 4) against the split-K kernel and the bf16 GEMV.
 
-    OUT=/tmp/out SWEEP_BUDGET=150 python -m benchmarks.gemv_sweep
+    OUT=/tmp/out SWEEP_BUDGET=150 python -m benchmarks.gemv_sweep          # config grid
+    python -m benchmarks.gemv_sweep rows    # M = 1..4, fma on/off, num_stages (best configs)
 
 NF4, blocksize 64, double quant, de-nested in-kernel (as `qmatmul` calls the kernels). Stage 1
 times the whole config grid at M = 1 on the first two shapes; stage 2 times the best configs of
 stage 1 at every (shape, M). SWEEP_BUDGET/4 seconds cap stage 1 per shape. Each record is one JSON line on stdout (device time per product,
 weight streamed from HBM, distinct x per product: benchmarks/timing.py) and all of them go to
 $OUT/gemv_sweep.json. `max_abs_err` checks each timed output against the kernel's oracle.
+The `rows` part prints one JSON line per (shape, M) with the split-K kernel beside the GEMV, which
+is how the GEMV's M limit in `qmatmul`'s plan was chosen.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import itertools
 import json
 import os
 import random
+import sys
 import time
 
 import jax
@@ -56,7 +60,48 @@ def _max_abs_err(x, q, cfg):
     return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
 
 
+# best stage-1 configs per shape (H200, results/..._gemv_sweep.json), for the `rows` part
+_BEST = {(4096, 4096): dict(block_n=64, block_k=256, num_warps=8),
+         (4096, 14336): dict(block_n=32, block_k=512, num_warps=4),
+         (14336, 4096): dict(block_n=32, block_k=512, num_warps=4)}
+
+
+def rows():
+    """M = 1..4: bf16 GEMV, split-K kernel, GEMV with and without FMA; at M = 1 also pipelining
+    depth and two other tilings. Ratios are against the bf16 time of the same (shape, M)."""
+    for (k, n), best in _BEST.items():
+        copies = l2_defeating_copies(n * k // 2)
+        dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
+                 for i in range(copies)]
+        qs = [quant.quantize_4bit(w, "nf4", 64, True) for w in dense]
+        dense_copies = l2_defeating_copies(n * k * 2)
+        for m in (1, 2, 3, 4):
+            x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
+            xs = distinct_copies(x, copies)
+            res = dict(k=k, n=n, m=m)
+            res["bf16"] = _us(lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
+                              (distinct_copies(x, dense_copies), dense[:dense_copies]),
+                              dense_copies)
+            res["splitk"] = _us(_kernel_runner(matmul_4bit_small_m, {}), (xs, qs), copies)
+            cfgs = {"best": dict(best, fma=False), "best+fma": dict(best, fma=True)}
+            if m == 1:
+                for stages in (2, 4):
+                    cfgs[f"best+fma s{stages}"] = dict(best, fma=True, num_stages=stages)
+                cfgs["bn32 bk256 fma"] = dict(block_n=32, block_k=256, fma=True)
+                cfgs["bn64 bk256 w8 fma"] = dict(block_n=64, block_k=256, num_warps=8, fma=True)
+                cfgs["bn16 bk512 w4 fma"] = dict(block_n=16, block_k=512, num_warps=4, fma=True)
+            for name, cfg in cfgs.items():
+                res[name] = _us(_kernel_runner(matmul_4bit_gemv, cfg), (xs, qs), copies)
+            res["max_abs_err_fma"] = _max_abs_err(x, qs[0], dict(best, fma=True))
+            base = res["bf16"]
+            res["ratios"] = {key: round(v / base, 3) for key, v in res.items()
+                             if isinstance(v, float) and key not in ("bf16", "max_abs_err_fma")}
+            print(json.dumps(res), flush=True)
+
+
 def main():
+    if sys.argv[1:] == ["rows"]:
+        return rows()
     out_dir = os.environ.get("OUT", "/tmp")
     budget = float(os.environ.get("SWEEP_BUDGET", "150"))
     records = []
