@@ -23,7 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
+from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
 from jqlora import quant
 from jqlora.ops.products import nested_kernel_operands_4bit
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv, matmul_4bit_gemv_reference
@@ -34,13 +34,6 @@ GRID = [dict(block_n=bn, block_k=bk, num_warps=nw, splits=sp)
         for bn, bk, nw, sp in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8),
                                                 (None, 1))]
 random.Random(0).shuffle(GRID)  # a budget cut then samples the whole grid
-
-
-def _us(fn, args, copies):
-    try:
-        return jax_device_ms(fn, *args, iterations=10) / copies * 1e3
-    except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
-        return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def _kernel_runner(kernel, cfg):
@@ -79,10 +72,10 @@ def rows():
             x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
             xs = distinct_copies(x, copies)
             res = dict(k=k, n=n, m=m)
-            res["bf16"] = _us(lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
+            res["bf16"] = us_per_product(lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
                               (distinct_copies(x, dense_copies), dense[:dense_copies]),
                               dense_copies)
-            res["splitk"] = _us(_kernel_runner(matmul_4bit_small_m, {}), (xs, qs), copies)
+            res["splitk"] = us_per_product(_kernel_runner(matmul_4bit_small_m, {}), (xs, qs), copies)
             cfgs = {"best": dict(best, fma=False), "best+fma": dict(best, fma=True)}
             if m == 1:
                 for stages in (2, 4):
@@ -91,7 +84,7 @@ def rows():
                 cfgs["bn64 bk256 w8 fma"] = dict(block_n=64, block_k=256, num_warps=8, fma=True)
                 cfgs["bn16 bk512 w4 fma"] = dict(block_n=16, block_k=512, num_warps=4, fma=True)
             for name, cfg in cfgs.items():
-                res[name] = _us(_kernel_runner(matmul_4bit_gemv, cfg), (xs, qs), copies)
+                res[name] = us_per_product(_kernel_runner(matmul_4bit_gemv, cfg), (xs, qs), copies)
             res["max_abs_err_fma"] = _max_abs_err(x, qs[0], dict(best, fma=True))
             base = res["bf16"]
             res["ratios"] = {key: round(v / base, 3) for key, v in res.items()
@@ -122,10 +115,10 @@ def main():
         x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
         dense_copies = l2_defeating_copies(n * k * 2)
         cell = dict(k=k, n=n, m=m)
-        record(**cell, what="bf16 dot", us=_us(
+        record(**cell, what="bf16 dot", us=us_per_product(
             lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
             (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies))
-        record(**cell, what="splitk_small_m", us=_us(
+        record(**cell, what="splitk_small_m", us=us_per_product(
             _kernel_runner(matmul_4bit_small_m, {}), (distinct_copies(x, copies), qs), copies))
         return cell, x, copies, qs
 
@@ -134,7 +127,7 @@ def main():
         t_shape = time.time()
         cell, x, copies, qs = cell_baselines(k, n, 1)
         for cfg in GRID:
-            us = _us(_kernel_runner(matmul_4bit_gemv, cfg), (distinct_copies(x, copies), qs),
+            us = us_per_product(_kernel_runner(matmul_4bit_gemv, cfg), (distinct_copies(x, copies), qs),
                      copies)
             record(**cell, what="gemv", cfg=cfg, us=us)
             if isinstance(us, float):
@@ -154,7 +147,7 @@ def main():
             cell, x, copies, qs = cell_baselines(k, n, m)
             for c in [default, *best]:
                 cfg = json.loads(c)
-                record(**cell, what="gemv", cfg=cfg, stage=2, us=_us(
+                record(**cell, what="gemv", cfg=cfg, stage=2, us=us_per_product(
                     _kernel_runner(matmul_4bit_gemv, cfg), (distinct_copies(x, copies), qs),
                     copies), max_abs_err=_max_abs_err(x, qs[0], cfg))
     with open(os.path.join(out_dir, "gemv_sweep.json"), "w") as f:

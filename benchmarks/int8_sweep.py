@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
+from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
 from jqlora import ops, quant
 from pallas_kernels.matmul_int8 import (
     matmul_int8, matmul_int8_dequant_dot, matmul_int8_dequant_dot_t, matmul_int8_reference,
@@ -34,13 +34,6 @@ GRID = [dict(block_n=bn, block_k=bk, splits=sp)
 STAGES_GRID = [dict(block_n=bn, block_k=bk, num_stages=ns, num_warps=nw)
                for (bn, bk), ns, nw in itertools.product(((64, 256), (128, 256), (64, 512)),
                                                          (3, 4, 5, 6), (4, 8))]
-
-
-def _us(fn, args, copies):
-    try:
-        return round(jax_device_ms(fn, *args, iterations=10) / copies * 1e3, 2)
-    except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
-        return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def _rel_err(got, want) -> float:
@@ -60,10 +53,10 @@ def small(record, budget, grid=None):
             x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
             xs = distinct_copies(x, max(copies, dense_copies))
             cell = dict(k=k, n=n, m=m)
-            record(**cell, what="bf16 dot", us=_us(
+            record(**cell, what="bf16 dot", us=us_per_product(
                 lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)], (xs[:dense_copies], dense[:dense_copies]),
                 dense_copies))
-            record(**cell, what="qmatmul xla", us=_us(
+            record(**cell, what="qmatmul xla", us=us_per_product(
                 lambda xs, qs: [ops.qmatmul(a, q, backend="xla") for a, q in zip(xs, qs)], (xs[:copies], qs),
                 copies))
             want = matmul_int8_reference(x, qs[0].cb, qs[0].scb)
@@ -72,7 +65,7 @@ def small(record, budget, grid=None):
             for what, fn, cfg in kernels:
                 if time.time() - t0 > budget and cfg:
                     break
-                us = _us(lambda xs, qs, fn=fn, cfg=cfg: [fn(a, q.cb, q.scb, **cfg) for a, q in zip(xs, qs)],
+                us = us_per_product(lambda xs, qs, fn=fn, cfg=cfg: [fn(a, q.cb, q.scb, **cfg) for a, q in zip(xs, qs)],
                          (xs[:copies], qs), copies)
                 err = None if isinstance(us, str) else _rel_err(fn(x, qs[0].cb, qs[0].scb, **cfg), want)
                 record(**cell, what=what, cfg=cfg, us=us, rel_err=err)
@@ -98,7 +91,7 @@ def large(record):
                 "bwd int8_weight_only_t": (lambda d, w, q: matmul_int8_t(d, q.cb, q.scb), dy),
             }
             for what, (fn, a) in progs.items():
-                record(**cell, what=what, us=_us(
+                record(**cell, what=what, us=us_per_product(
                     lambda avs, ws, qs, fn=fn: [fn(a, w, q) for a, w, q in zip(avs, ws, qs)],
                     (distinct_copies(a, copies), ws, qs), copies))
 

@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
+from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
 from jqlora import ops, quant
 from jqlora.ops.products import nested_kernel_operands_4bit
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
@@ -35,13 +35,6 @@ def _grid(m: int, k: int) -> list[dict]:
         grid = [dict(block_n=bn, block_k=bk, num_warps=nw)
                 for bn, bk, nw in itertools.product((16, 32, 64), (128, 256), (4, 8))]
     return grid if k == 4096 else grid[::4]
-
-
-def _us_per_product(fn, args, copies):
-    try:
-        return jax_device_ms(fn, *args, iterations=10) / copies * 1e3
-    except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
-        return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def main():
@@ -63,11 +56,11 @@ def main():
         for m in (1, 16):
             x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
             cell = dict(k=k, n=n, m=m)
-            record(**cell, what="bf16 dot", us=_us_per_product(
+            record(**cell, what="bf16 dot", us=us_per_product(
                 lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
                 (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies))
             for backend in ("pallas", "xla"):
-                record(**cell, what=f"qmatmul {backend}", us=_us_per_product(
+                record(**cell, what=f"qmatmul {backend}", us=us_per_product(
                     lambda xs, qs, b=backend: [ops.qmatmul(a, q, backend=b) for a, q in zip(xs, qs)],
                     (distinct_copies(x, copies), qs), copies))
             for cfg in _grid(m, k):
@@ -78,7 +71,7 @@ def main():
                         outs.append(matmul_4bit_small_m(x, packed, codes, q.code, blocksize=64,
                                                         nested=nested, **cfg))
                     return outs
-                record(**cell, what="nested kernel", cfg=cfg, us=_us_per_product(run, (x, qs), copies))
+                record(**cell, what="nested kernel", cfg=cfg, us=us_per_product(run, (x, qs), copies))
                 if time.time() - t0 > budget:
                     break
     with open(os.path.join(out_dir, "small_m_sweep.json"), "w") as f:

@@ -59,6 +59,15 @@ def jax_device_ms(fn, *args, iterations: int = 20) -> float:
         return float(statistics.median(samples))
 
 
+def us_per_product(fn, args, copies: int, iterations: int = 10):
+    """Device µs per product of a call that runs `copies` products, or the error text when the
+    config does not compile (for sweeps, a failing config is a result too)."""
+    try:
+        return jax_device_ms(fn, *args, iterations=iterations) / copies * 1e3
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def torch_device_ms(fn, iterations: int = 20) -> float:
     """Mean per-call CUDA kernel time (ms) of `fn()` from torch.profiler (as GPU.md's reference)."""
     import torch

@@ -107,6 +107,23 @@ def check_4bit_nested_operands(packed, absmax, code, nested, blocksize: int, *,
     return n, k
 
 
+def check_4bit_weight(packed, absmax, code, blocksize: int, nested, *, what: str):
+    """`check_4bit_operands`, or `check_4bit_nested_operands` when `nested` is given."""
+    if nested is None:
+        return check_4bit_operands(packed, absmax, code, blocksize, what=what)
+    return check_4bit_nested_operands(packed, absmax, code, nested, blocksize, what=what)
+
+
+def nested_kernel_inputs(nested):
+    """(operands, BlockSpecs) that hand the double-quantization tables whole to every program of
+    a 2-D grid; ((), []) for fp32 scales. The offset scalar travels as a (1,) array."""
+    if nested is None:
+        return (), []
+    nested_absmax, nested_code, offset = nested
+    ops = (nested_absmax, nested_code, jnp.reshape(offset, (1,)))
+    return ops, [pl.BlockSpec(a.shape, lambda j, s: (0,)) for a in ops]
+
+
 # ----------------------------------------------------------------------------------------------
 # In-kernel decode helpers
 # ----------------------------------------------------------------------------------------------

@@ -35,8 +35,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
-    HIGHEST, check_4bit_nested_operands, check_4bit_operands, denest_absmax_reference,
-    denest_tile, dequantize_4bit_reference, supports_4bit)
+    HIGHEST, check_4bit_nested_operands, check_4bit_operands, check_4bit_weight,
+    denest_absmax_reference, denest_tile, dequantize_4bit_reference, nested_kernel_inputs,
+    supports_4bit)
 from pallas_kernels.matmul_4bit import check_x
 from pallas_kernels.registry import Variant
 
@@ -151,10 +152,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     double-quantized scales: de-nested in-kernel.
     """
     what = "matmul_4bit_gemv"
-    if nested is None:
-        n, k = check_4bit_operands(packed, absmax, code, blocksize, what=what)
-    else:
-        n, k = check_4bit_nested_operands(packed, absmax, code, nested, blocksize, what=what)
+    n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
     check_x(x, k, what=what)
     m = x.shape[0]
     if m > MAX_M:
@@ -185,11 +183,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     kernel = functools.partial(_gemv_kernel, m=m, n=n, bn=bn, gc=gc, per_block=per_block,
                                tps=nk // splits, nested=nested is not None, fma=fma,
                                interpret=_compat.resolve_interpret(interpret))
-    nested_ops, nested_specs = (), []
-    if nested is not None:
-        nested_absmax, nested_code, offset = nested
-        nested_ops = (nested_absmax, nested_code, jnp.reshape(offset, (1,)))
-        nested_specs = [pl.BlockSpec(a.shape, lambda j, s: (0,)) for a in nested_ops]
+    nested_ops, nested_specs = nested_kernel_inputs(nested)
     partial = _compat.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, m, n), part_dtype),

@@ -24,8 +24,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
-    HIGHEST as _HIGHEST, check_4bit_nested_operands, check_4bit_operands, denest_absmax_reference,
-    denest_tile, load_code_scalars, pick_block_bytes, resolve_method, row_mask, supports_4bit)
+    HIGHEST as _HIGHEST, check_4bit_nested_operands, check_4bit_weight, denest_absmax_reference,
+    denest_tile, load_code_scalars, nested_kernel_inputs, pick_block_bytes, resolve_method,
+    row_mask, supports_4bit)
 from pallas_kernels.matmul_4bit import (
     _NT, absmax_cols, check_x, decode_tile, matmul_4bit_reference, split_even_odd)
 from pallas_kernels.registry import Variant
@@ -156,11 +157,7 @@ def matmul_4bit_small_m(x, packed, absmax, code, *, blocksize: int, out_dtype=No
     `absmax` the uint8 (N, K//bs) codes of double-quantized scales: de-nested in-kernel.
     """
     del block_m
-    if nested is None:
-        n, k = check_4bit_operands(packed, absmax, code, blocksize, what="matmul_4bit_small_m")
-    else:
-        n, k = check_4bit_nested_operands(packed, absmax, code, nested, blocksize,
-                                          what="matmul_4bit_small_m")
+    n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what="matmul_4bit_small_m")
     check_x(x, k, what="matmul_4bit_small_m")
     m = x.shape[0]
     if m > MAX_M:
@@ -206,11 +203,7 @@ def matmul_4bit_small_m(x, packed, absmax, code, *, blocksize: int, out_dtype=No
         method=method, rowwise=rowwise, split_in_kernel=split_x == "kernel",
         reduce_at_end=reduce_at_end and rowwise,
         nested=nested is not None)
-    nested_ops, nested_specs = (), []
-    if nested is not None:
-        nested_absmax, nested_code, offset = nested
-        nested_ops = (nested_absmax, nested_code, jnp.reshape(offset, (1,)))
-        nested_specs = [pl.BlockSpec(a.shape, lambda j, s: (0,)) for a in nested_ops]
+    nested_ops, nested_specs = nested_kernel_inputs(nested)
     partial = _compat.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, mp, n), part_dtype),
