@@ -279,6 +279,24 @@ def test_splitk_small_m_options(shape, kw):
     check_forward(matmul_4bit_small_m, m, n, k, bs, DTYPES[dt], table, **kw)
 
 
+def check_nested(fn, reference, m, n, k, bs, dtype, table, slack=0.0):
+    """fn on double-quantized scales (de-nested in-kernel) = fn on the numpy-de-nested fp32
+    scales (tight), and = reference (which de-nests bit for bit) within `slack`."""
+    packed, _ = make_weight(21, n, k, bs)
+    codes, nested, absmax = make_nested(22, n, k, bs)
+    code = jnp.asarray(TABLES[table])
+    x = make_x(23, (m, k), dtype)
+    got = fn(x, packed, codes, code, blocksize=bs, nested=nested, interpret=INTERPRET)
+    flat = fn(x, packed, absmax, code, blocksize=bs, interpret=INTERPRET)
+    want = reference(x, packed, codes, code, blocksize=bs, nested=nested)
+    scale = scale_fwd(x, dequantize_4bit_reference(packed, absmax, code, blocksize=bs,
+                                                   out_dtype=dtype))
+    what = f"{fn.__name__} nested M={m} N={n} K={k} bs={bs}"
+    assert_matmul_close(got, flat, scale, what + " vs fp32 scales")
+    assert_matmul_close(got, want, scale, what + " vs reference", slack=slack)
+    return x, packed, codes, code, nested
+
+
 # N ragged against block_n (32 at M <= 4 and M = 64, 64 at M = 17); N*K/bs = 864, 320, 432 scales
 # (the last nested block is short) and 1280 = 5 * 256; K/bs = 12 and 6 put nested-block edges
 # inside a row; bs=256 at M=17 has K tiles narrower than a scale block.
@@ -301,20 +319,9 @@ def test_splitk_small_m_nested_scales(m, n, k, bs, dt, table):
     (with the flag off it matches the reference at the module tolerance). Compiled: no slack.
     """
     dtype = DTYPES[dt]
-    packed, _ = make_weight(21, n, k, bs)
-    codes, nested, absmax = make_nested(22, n, k, bs)
-    code = jnp.asarray(TABLES[table])
-    x = make_x(23, (m, k), dtype)
-    got = matmul_4bit_small_m(x, packed, codes, code, blocksize=bs, nested=nested,
-                              interpret=INTERPRET)
-    flat = matmul_4bit_small_m(x, packed, absmax, code, blocksize=bs, interpret=INTERPRET)
-    want = matmul_4bit_small_m_reference(x, packed, codes, code, blocksize=bs, nested=nested)
-    scale = scale_fwd(x, dequantize_4bit_reference(packed, absmax, code, blocksize=bs,
-                                                   out_dtype=dtype))
-    what = f"nested M={m} N={n} K={k} bs={bs}"
-    assert_matmul_close(got, flat, scale, what + " vs fp32 scales")
     slack = float(jnp.finfo(dtype).eps) / 2 if INTERPRET and dtype != jnp.float32 else 0.0
-    assert_matmul_close(got, want, scale, what + " vs reference", slack=slack)
+    check_nested(matmul_4bit_small_m, matmul_4bit_small_m_reference, m, n, k, bs, dtype, table,
+                 slack=slack)
 
 
 # ------------------------------------------------------------------------------------------
@@ -360,20 +367,8 @@ def test_gemv_block_scaled_against_the_rounded_weight_reference(dt):
 @pytest.mark.parametrize("m,n,k,bs,dt,table", [c for c in NESTED_CASES if c[0] <= 4])
 def test_gemv_block_scaled_nested_scales(m, n, k, bs, dt, table):
     """De-nesting in-kernel = the same kernel on numpy-de-nested fp32 scales, and = the oracle."""
-    dtype = DTYPES[dt]
-    packed, _ = make_weight(21, n, k, bs)
-    codes, nested, absmax = make_nested(22, n, k, bs)
-    code = jnp.asarray(TABLES[table])
-    x = make_x(23, (m, k), dtype)
-    got = matmul_4bit_gemv(x, packed, codes, code, blocksize=bs, nested=nested,
-                           interpret=INTERPRET)
-    flat = matmul_4bit_gemv(x, packed, absmax, code, blocksize=bs, interpret=INTERPRET)
-    want = matmul_4bit_gemv_reference(x, packed, codes, code, blocksize=bs, nested=nested)
-    scale = scale_fwd(x, dequantize_4bit_reference(packed, absmax, code, blocksize=bs,
-                                                   out_dtype=dtype))
-    what = f"gemv nested M={m} N={n} K={k} bs={bs}"
-    assert_matmul_close(got, flat, scale, what + " vs fp32 scales")
-    assert_matmul_close(got, want, scale, what + " vs reference")
+    x, packed, codes, code, nested = check_nested(
+        matmul_4bit_gemv, matmul_4bit_gemv_reference, m, n, k, bs, DTYPES[dt], table)
     for fn in (matmul_4bit_gemv, matmul_4bit_gemv_reference):
         with pytest.raises(ValueError, match="`nested_code`"):
             fn(x, packed, codes, code, blocksize=bs, interpret=True,
