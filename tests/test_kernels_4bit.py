@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import dequantize_4bit as dq_mod
+from pallas_kernels import matmul_4bit_block_dot as bd_mod
 from pallas_kernels import matmul_4bit as mm_mod
 from pallas_kernels import matmul_4bit_gemv as gv_mod
 from pallas_kernels import matmul_4bit_small_m as sm_mod
@@ -25,6 +26,8 @@ from pallas_kernels._compat import auto_interpret, cdiv, resolve_interpret
 from pallas_kernels.dequantize_4bit import (
     denest_absmax_reference, dequantize_4bit, dequantize_4bit_reference)
 from pallas_kernels.matmul_4bit import matmul_4bit, matmul_4bit_dequant_dot, matmul_4bit_reference
+from pallas_kernels.matmul_4bit_block_dot import (
+    matmul_4bit_block_dot, matmul_4bit_block_dot_reference, split_code_table)
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv, matmul_4bit_gemv_reference
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m, matmul_4bit_small_m_reference
 from pallas_kernels.matmul_4bit_t import (
@@ -44,7 +47,7 @@ INTERPRET = jax.default_backend() != "gpu"
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 MY_VARIANTS = (dq_mod.VARIANTS + mm_mod.VARIANTS + t_mod.VARIANTS + sm_mod.VARIANTS
-               + gv_mod.VARIANTS)
+               + gv_mod.VARIANTS + bd_mod.VARIANTS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -375,6 +378,78 @@ def test_gemv_block_scaled_nested_scales(m, n, k, bs, dt, table):
                nested=(nested[0], nested[1][:16], nested[2]))
 
 
+# ------------------------------------------------------------------------------------------
+# block-scaled tensor-core kernel (M <= 16): exact codes (hi + lo tables, the GEMV's oracle) and
+# rounded codes (its own oracle)
+# ------------------------------------------------------------------------------------------
+BLOCK_DOT_CASES = [c for c in FWD_CASES if c[0] <= 16] + [
+    (16, 40, 512, 64, "bf16", "nf4"),   # M = 16: no padded rows
+    (9, 150, 256, 32, "f16", "fp4"),    # two N tiles of 128, ragged
+]
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("m,n,k,bs,dt,table", BLOCK_DOT_CASES)
+def test_block_scaled_dot(m, n, k, bs, dt, table, exact):
+    check_forward(matmul_4bit_block_dot, m, n, k, bs, DTYPES[dt], table, exact_codes=exact,
+                  reference=lambda *a, **kw: matmul_4bit_block_dot_reference(
+                      *a, exact_codes=exact, **kw))
+
+
+@pytest.mark.parametrize("shape,kw", [
+    ((5, 40, 2048, 512, "bf16", "nf4"), dict(block_k=128, block_n=16, num_warps=4)),  # tile < block
+    ((12, 33, 512, 32, "f16", "fp4"), dict(block_k=64, splits=2, block_n=32)),  # K splits, ragged
+    ((16, 40, 1024, 64, "bf16", "nf4"), dict(splits=1, out_dtype=jnp.float32)),
+    ((7, 24, 256, 128, "f32", "fp4"), dict(num_stages=2, exact_codes=False)),
+])
+def test_block_scaled_dot_options(shape, kw):
+    m, n, k, bs, dt, table = shape
+    exact = kw.get("exact_codes", True)
+    check_forward(matmul_4bit_block_dot, m, n, k, bs, DTYPES[dt], table, **kw,
+                  reference=lambda *a, **r: matmul_4bit_block_dot_reference(
+                      *a, exact_codes=exact, **r))
+
+
+@pytest.mark.parametrize("dt", ["bf16", "f16"])
+def test_block_scaled_dot_code_tables(dt):
+    """hi + lo carries the fp32 code: with fp32 output the exact variant meets the fp32 oracle
+    at 1e-5 of the product scale, and the rounded-code variant does not (negative control); the
+    rounded-code variant meets its own oracle, and both are within half an ulp of x's dtype per
+    product of the fp32 oracle."""
+    dtype = DTYPES[dt]
+    for table in (NF4, FP4):
+        hi, lo = split_code_table(jnp.asarray(table), dtype)
+        assert hi.dtype == lo.dtype == dtype
+        rel = np.abs(np.asarray(hi, np.float64) + np.asarray(lo, np.float64) - table)
+        assert np.all(rel <= np.maximum(2.0**-17 * np.abs(table), 2.0**-25)), rel
+    m, n, k, bs = 16, 40, 1024, 64
+    packed, absmax = make_weight(41, n, k, bs)
+    code = jnp.asarray(NF4)
+    x = make_x(42, (m, k), dtype)
+    scale = scale_fwd(x, dequantize_4bit_reference(packed, absmax, code, blocksize=bs,
+                                                   out_dtype=jnp.float32))
+    exact_oracle = matmul_4bit_gemv_reference(x, packed, absmax, code, blocksize=bs,
+                                              out_dtype=jnp.float32)
+    kw = dict(blocksize=bs, out_dtype=jnp.float32, interpret=INTERPRET)
+    exact = matmul_4bit_block_dot(x, packed, absmax, code, **kw)
+    rounded = matmul_4bit_block_dot(x, packed, absmax, code, exact_codes=False, **kw)
+    assert_matmul_close(exact, exact_oracle, scale, f"exact codes vs fp32 oracle ({dt})")
+    with pytest.raises(AssertionError, match="outside tolerance"):
+        assert_matmul_close(rounded, exact_oracle, scale, "rounded codes vs fp32 oracle")
+    assert_matmul_close(rounded, exact_oracle, scale, f"rounded codes, half-ulp bound ({dt})",
+                        slack=float(jnp.finfo(dtype).eps) / 2)
+    own = matmul_4bit_block_dot_reference(x, packed, absmax, code, blocksize=bs,
+                                          out_dtype=jnp.float32, exact_codes=False)
+    assert_matmul_close(rounded, own, scale, f"rounded codes vs its oracle ({dt})")
+
+
+@pytest.mark.parametrize("m,n,k,bs,dt,table",
+                         [c for c in NESTED_CASES if c[0] <= 16] + [(12, 72, 768, 64, "f16", "fp4")])
+def test_block_scaled_dot_nested_scales(m, n, k, bs, dt, table):
+    check_nested(matmul_4bit_block_dot, matmul_4bit_block_dot_reference, m, n, k, bs,
+                 DTYPES[dt], table)
+
+
 def test_denest_reference_bit_exact():
     """Two roundings (product, then + offset) eager and under jit, where XLA would fuse an FMA."""
     codes, nested, absmax = make_nested(24, 40, 1024, 128)
@@ -484,11 +559,14 @@ def test_variants_registered():
         assert not v.supports(1, 64, 96, 48)       # blocksize not a power of two
         assert not v.supports(1, 64, 32, 16)       # blocksize below 32
     assert by_name["splitk_small_m"].supports(64, 64, 128, 64)
-    assert {v.name for v in MY_VARIANTS if v.accepts_nested} == {"splitk_small_m",
-                                                                 "gemv_block_scaled"}
+    assert {v.name for v in MY_VARIANTS if v.accepts_nested} == {
+        "splitk_small_m", "gemv_block_scaled", "block_scaled_dot", "block_scaled_dot_rounded_codes"}
     assert not by_name["splitk_small_m"].supports(65, 64, 128, 64)
     assert by_name["gemv_block_scaled"].supports(4, 64, 128, 64)
     assert not by_name["gemv_block_scaled"].supports(5, 64, 128, 64)
+    for name in ("block_scaled_dot", "block_scaled_dot_rounded_codes"):
+        assert by_name[name].supports(16, 64, 128, 64)
+        assert not by_name[name].supports(17, 64, 128, 64)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -519,12 +597,20 @@ def test_bad_inputs_raise_clear_errors():
                          interpret=True)
     with pytest.raises(ValueError, match="powers of two"):
         matmul_4bit_gemv(x, packed, absmax, code, blocksize=64, block_n=24, interpret=True)
+    with pytest.raises(ValueError, match="M=17"):
+        matmul_4bit_block_dot(make_x(0, (17, 128), jnp.float32), packed, absmax, code,
+                              blocksize=64, interpret=True)
+    with pytest.raises(ValueError, match="splits=3"):
+        matmul_4bit_block_dot(x, packed, absmax, code, blocksize=64, block_k=64, splits=3,
+                              interpret=True)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        matmul_4bit_block_dot(x, packed, absmax, code, blocksize=64, block_n=8, interpret=True)
 
 
 def test_empty_m():
     packed, absmax = make_weight(0, 8, 64, 32)
     code = jnp.asarray(NF4)
-    for fn in (matmul_4bit, matmul_4bit_small_m, matmul_4bit_gemv):
+    for fn in (matmul_4bit, matmul_4bit_small_m, matmul_4bit_gemv, matmul_4bit_block_dot):
         y = fn(jnp.zeros((0, 64), jnp.bfloat16), packed, absmax, code, blocksize=32, interpret=True)
         assert y.shape == (0, 8) and y.dtype == jnp.bfloat16
     y = matmul_4bit_t(jnp.zeros((0, 8), jnp.float32), packed, absmax, code, blocksize=32,
@@ -561,6 +647,7 @@ def test_kernels_lower_for_triton(lower_for_triton):
                 jnp.float32(0.5))
 
     x1, x3, x17, dy = sds((1, k), dt), sds((3, k), dt), sds((17, k), dt), sds((17, n), dt)
+    x16, x5_f32 = sds((16, k), dt), sds((5, k), jnp.float32)
     jobs = {
         "dequant_tiled": (lambda p, a, c: dequantize_4bit(p, a, c, blocksize=64),
                           weight(64)),
@@ -586,6 +673,16 @@ def test_kernels_lower_for_triton(lower_for_triton):
         "gemv_block_scaled tile < block": (
             lambda x, p, a, c: matmul_4bit_gemv(x, p, a, c, blocksize=512, block_k=128),
             (x1, *weight(512))),
+        "block_scaled_dot": (lambda x, p, a, c: matmul_4bit_block_dot(x, p, a, c, blocksize=64),
+                             (x16, *weight(64))),
+        "block_scaled_dot rounded codes, nested": (
+            lambda x, p, a, c: matmul_4bit_block_dot(x, p, a, c, blocksize=64, exact_codes=False,
+                                                     nested=nested_ops(64)),
+            (x3, *weight(64, nested=True))),
+        "block_scaled_dot fp32, tile < block": (
+            lambda x, p, a, c: matmul_4bit_block_dot(x, p, a, c, blocksize=512, block_k=128,
+                                                     block_n=16, num_warps=4),
+            (x5_f32, *weight(512))),
     }
     for label, (fn, args) in jobs.items():
         lower_for_triton(label, fn, *args)

@@ -26,6 +26,12 @@ SMALL_M_4BIT = 4
 # 0.86-0.88x bf16 against the split-K kernel's 1.11-1.17x; M = 2 1.21-1.26x against 1.27-1.36x;
 # at M = 3 and 4 the split-K kernel is faster, 1.34-1.67x against 1.42-1.82x).
 GEMV_MAX_M_4BIT = 2
+# 4-bit, 5 <= M <= this: the block-scaled tensor-core kernel with the code table rounded to x's
+# dtype (H200, session 6, same run, M = 16: 1.42 / 1.42 / 1.65x bf16 at 4096x4096 / 4096x14336 /
+# 14336x4096 against dequant_dot's 1.86 / 2.43 / 2.51x). Its effective weight is round(code) *
+# absmax where bitsandbytes (and dequant_dot) use round(code * absmax): the same error bound,
+# another rounding point. At M = 64 and 128 it was slower than dequant_dot; 17..63 untimed.
+BLOCK_DOT_MAX_M_4BIT = 16
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
@@ -38,6 +44,7 @@ GEMV_MAX_M_4BIT = 2
 DEFAULT_4BIT_FWD_LARGE = "dequant_dot"
 DEFAULT_4BIT_FWD_SMALL = "splitk_small_m"
 DEFAULT_4BIT_FWD_GEMV = "gemv_block_scaled"
+DEFAULT_4BIT_FWD_BLOCK_DOT = "block_scaled_dot_rounded_codes"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
 # INT8 (H200, 2026-11-21, benchmarks/results README, session 4): at M <= 16 the split-K kernel
@@ -86,6 +93,8 @@ def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
             return DEFAULT_4BIT_FWD_GEMV, DEFAULT_4BIT_BWD_SMALL
         if m <= SMALL_M_4BIT:
             return DEFAULT_4BIT_FWD_SMALL, DEFAULT_4BIT_BWD_SMALL
+        if m <= BLOCK_DOT_MAX_M_4BIT:
+            return DEFAULT_4BIT_FWD_BLOCK_DOT, DEFAULT_4BIT_BWD_SMALL
         return DEFAULT_4BIT_FWD_LARGE, DEFAULT_4BIT_BWD_LARGE
     if numerics == "llm_int8":
         return DEFAULT_LLM_INT8, DEFAULT_INT8_BWD

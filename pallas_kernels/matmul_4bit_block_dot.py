@@ -1,0 +1,254 @@
+"""4-bit matmul for M <= 16 on tensor cores, scaled per block: y = x @ dequant(W).T.
+
+Between the GEMV (M <= 4) and a large GEMM the product is bound by the per-weight decode, which
+the older paths pay in full: `splitk_small_m` rebuilds each weight as code * absmax in fp32
+through a 15-select tree and rounds it (ALU 77% busy at M = 16, ncu), and `dequant_dot` writes
+a dense bf16 weight (2 bytes per weight) before a GEMM. This kernel decodes each weight with one
+table load and no multiply, and moves the scale out of the inner product as the GEMV does:
+
+    y[m, n] = sum_b absmax[n, b] * sum_{k in block b} x[m, k] * code[q[n, k]]
+
+The inner sums are tensor-core dots of a (block_n, c) tile of table codes against x's (M, c)
+chunk (c = the bytes of one scale block, or fewer); their (block_n, M) fp32 results are
+multiplied by the block's scales and accumulated. The weight is the dot's left operand, so 128
+weight rows fill the MMA's M side and x's few rows (padded to 16) its N side.
+
+Two code tables, two registered variants:
+- `exact_codes=True` (`block_scaled_dot`): the 16 codes are split into x-dtype pairs hi + lo
+  (hi = code rounded, lo = the rounded remainder), two dots per nibble half. Each product
+  x * hi, x * lo is exact in fp32, and hi + lo is within 2^-17 of the code, relative, for bf16
+  (fp16: 2^-22, or 2^-25 absolute where lo is subnormal): the weight is effectively fp32, as in
+  the GEMV, whose oracle (`matmul_4bit_gemv_reference`) this variant shares.
+- `exact_codes=False` (`block_scaled_dot_rounded_codes`): one dot per nibble half with the code
+  rounded to x's dtype in-kernel. The effective weight is round(code) * absmax where
+  bitsandbytes uses round(code * absmax): the same error bound (half an ulp of x's dtype per
+  weight), a different rounding point. Oracle: `matmul_4bit_block_dot_reference`.
+  H200 (session 6, M = 16): 1.42 / 1.42 / 1.65x the bf16 GEMM time at 4096x4096 / 4096x14336 /
+  14336x4096 against 1.93 / 2.16 / 2.44x exact and dequant_dot's 1.86 / 2.43 / 2.51x. At
+  M = 64 and 128 both variants were slower than dequant_dot, hence MAX_M = 16.
+
+x is viewed as (M, K / 2c, c, 2) and the packed weight as (N, K / 2c, c) (free reshapes); x's
+even/odd columns (high/low nibbles) are split in registers. Grid (N tiles, K splits) as in the
+GEMV; with several splits XLA sums the fp32 partials. Double-quantized scales are de-nested
+in-kernel (`nested=`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels._compat import cdiv
+from pallas_kernels.dequantize_4bit import (
+    HIGHEST, check_4bit_weight, denest_tile, nested_kernel_inputs, row_mask, supports_4bit)
+from pallas_kernels.matmul_4bit import _NT, check_x
+from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
+from pallas_kernels.registry import Variant
+
+MAX_M = 16
+# H200 sweep at M = 16 and 128 (benchmarks/block_dot_sweep.py, session 6): block_n 128, block_k
+# 512, 8 warps and ~1024 programs were best or within 3% on both measured shapes; block_k 128 was
+# 1.3-2x slower, block_n 32 2-3x slower, block_k 1024 20-40% slower.
+DEFAULT_CONFIG = (128, 512, 8)  # (block_n, block_k, num_warps)
+_TARGET_PROGRAMS = 1024
+
+
+def supports_block_dot(m: int, n: int, k: int, blocksize: int) -> bool:
+    return m <= MAX_M and supports_4bit(m, n, k, blocksize)
+
+
+def split_code_table(code, dtype, exact: bool = True):
+    """(hi, lo) x-dtype tables with hi + lo = code (see module doc), or (code,) for fp32 x.
+
+    hi is code rounded to dtype; lo is the fp32 remainder rounded to dtype. Each product
+    x * hi and x * lo is exact in fp32, so two dots carry the fp32 code. exact=False: (code,),
+    rounded to x's dtype in-kernel as it is gathered (no XLA op per call).
+    """
+    code = code.astype(jnp.float32)
+    if jnp.dtype(dtype) == jnp.float32 or not exact:
+        return (code,)
+    fi = jnp.finfo(dtype)
+    # reduce_precision, not a convert round trip: XLA drops f32 -> bf16 -> f32 pairs under its
+    # default --xla_allow_excess_precision, which made lo = 0 on the GPU.
+    hi = lax.reduce_precision(code, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    return hi.astype(dtype), (code - hi).astype(dtype)
+
+
+def _block_dot_kernel(*refs, m: int, n: int, mp: int, bn: int, gc: int, per_block: int,
+                      tps: int, n_tables: int, nested: bool):
+    x_ref, packed_ref, absmax_ref, *rest = refs
+    table_refs, rest = rest[:n_tables], rest[n_tables:]
+    if nested:
+        nested_absmax_ref, nested_code_ref, offset_ref, out_ref = rest
+        offset = offset_ref[0]
+    else:
+        (out_ref,) = rest
+    j, s = pl.program_id(0), pl.program_id(1)
+    ragged = n % bn != 0
+    wmask = row_mask(j * bn, bn, n) if ragged else None
+    xmask = row_mask(0, mp, m)[:, :, None] if mp != m else None
+    dtype = x_ref.dtype
+
+    def chunk_dots(u):
+        """(bn, mp) fp32 code-weight dots of chunk u against x (all tables, both nibbles)."""
+        p = _compat.load(packed_ref.at[:, u, :], mask=wmask, other=0).astype(jnp.int32)
+        xv = _compat.load(x_ref.at[:, u, :, :], mask=xmask, other=0).astype(dtype)
+        xe, xo = lax.unstack(xv, axis=2)  # (mp, c): columns 2i (high nibble), 2i+1 (low)
+        qh, ql = p >> 4, p & 15
+        part = None
+        for tab in table_refs:
+            for q, xs in ((qh, xe), (ql, xo)):
+                d = lax.dot_general(tab[q].astype(dtype), xs, _NT, preferred_element_type=jnp.float32,
+                                    precision=HIGHEST)  # (bn, mp)
+                part = d if part is None else part + d
+        return part
+
+    def chunk_scale(u):
+        col = u // per_block
+        am = _compat.load(absmax_ref.at[:, pl.ds(col, 1)], mask=wmask, other=0)
+        if nested:
+            am = denest_tile(am, j * bn, col, nested_absmax_ref, nested_code_ref, offset,
+                             ncols=absmax_ref.shape[1])
+        return am.astype(jnp.float32)
+
+    def body(t, acc):
+        u0 = pl.multiple_of((s * tps + t) * gc, gc)  # first chunk of this tile
+        for g in range(gc):  # static: one scale block (or part of one) per chunk
+            acc = acc + chunk_dots(u0 + g) * chunk_scale(u0 + g)
+        return acc
+
+    acc = lax.fori_loop(0, tps, body, jnp.zeros((bn, mp), jnp.float32))
+    omask = None
+    if ragged or mp != m:
+        rows = lax.broadcasted_iota(jnp.int32, (mp, 1), 0) < m
+        cols = (j * bn + lax.broadcasted_iota(jnp.int32, (1, bn), 1)) < n
+        omask = rows & cols
+    _compat.store(out_ref, acc.T.astype(out_ref.dtype), mask=omask)
+
+
+def default_splits(n_tiles: int, nk: int, target_programs: int = _TARGET_PROGRAMS) -> int:
+    """Largest divisor of the K tile count giving <= ~target_programs programs."""
+    cap = max(1, min(target_programs // n_tiles, nk))
+    for d in range(cap, 0, -1):
+        if nk % d == 0:
+            return d
+    return 1
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "blocksize", "out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
+    "num_stages", "exact_codes"))
+def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
+                          interpret: bool = False, block_n: int | None = None,
+                          block_k: int | None = None, splits: int | None = None,
+                          num_warps: int | None = None, num_stages: int = 3, nested=None,
+                          exact_codes: bool = True):
+    """y (M, N) = x (M, K) @ dequant(W).T for M <= 16: tensor-core dots per scale block.
+
+    block_n weight rows (a power of two >= 16) and block_k weight columns (two per byte; a power
+    of two) per tile; `splits` K splits (must divide the number of K tiles; default: about
+    `_TARGET_PROGRAMS` programs). nested = (nested_absmax, nested_code, offset) with `absmax`
+    the uint8 (N, K//bs) codes of double-quantized scales: de-nested in-kernel.
+    exact_codes=False: one code table rounded to x's dtype, one dot per nibble half instead of
+    two (module doc: numerics and measured speed).
+    """
+    what = "matmul_4bit_block_dot"
+    n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
+    check_x(x, k, what=what)
+    m = x.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"{what}: M={m} > {MAX_M}; use matmul_4bit_dequant_dot (measured faster)")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    dflt = DEFAULT_CONFIG
+    bn = block_n or dflt[0]
+    bk = block_k or dflt[1]
+    num_warps = num_warps or dflt[2]
+    if not (_compat.is_pow2(bn) and bn >= 16 and _compat.is_pow2(bk) and bk >= 32):
+        raise ValueError(f"{what}: block_n must be a power of two >= 16 and block_k one >= 32, "
+                         f"got {bn}, {bk}")
+    half_block = blocksize // 2  # bytes per scale block in a row
+    bkb = _compat.largest_pow2_divisor(k // 2, min(bk // 2, k // 2))
+    c = min(half_block, bkb)  # chunk bytes: within one scale block, >= 16 (blocksize >= 32)
+    gc = bkb // c
+    per_block = half_block // c
+    u = k // (2 * c)
+    nk = u // gc
+    n_tiles = cdiv(n, bn)
+    if splits is None:
+        splits = default_splits(n_tiles, nk)
+    elif splits < 1 or nk % splits != 0:
+        raise ValueError(f"{what}: splits={splits} must divide the {nk} K tiles")
+    mp = max(16, _compat.next_pow2(m))
+    tables = split_code_table(code, x.dtype, exact_codes)
+    part_dtype = out_dtype if splits == 1 else jnp.float32
+    kernel = functools.partial(_block_dot_kernel, m=m, n=n, mp=mp, bn=bn, gc=gc,
+                               per_block=per_block, tps=nk // splits, n_tables=len(tables),
+                               nested=nested is not None)
+    nested_ops, nested_specs = nested_kernel_inputs(nested)
+    partial = _compat.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((splits, m, n), part_dtype),
+        grid=(n_tiles, splits),
+        in_specs=[
+            pl.BlockSpec((mp, u, c, 2), lambda j, s: (0, 0, 0, 0)),
+            pl.BlockSpec((bn, u, c), lambda j, s: (j, 0, 0)),
+            pl.BlockSpec((bn, k // blocksize), lambda j, s: (j, 0)),
+            *[pl.BlockSpec((16,), lambda j, s: (0,)) for _ in tables],
+            *nested_specs,
+        ],
+        out_specs=pl.BlockSpec((_compat.SQUEEZED, mp, bn), lambda j, s: (s, 0, j)),
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        name="matmul_4bit_block_dot",
+    )(x.reshape(m, u, c, 2), packed.reshape(n, u, c), absmax, *tables, *nested_ops)
+    y = partial[0] if splits == 1 else jnp.sum(partial, axis=0)
+    return y.astype(out_dtype)
+
+
+def matmul_4bit_block_dot_reference(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
+                                    interpret: bool = False, nested=None,
+                                    exact_codes: bool = True):
+    """Oracle: x as fp32 @ (code' [q] * absmax).T in fp32, code' = code (exact_codes) or code
+    rounded to x's dtype. With exact codes this is `matmul_4bit_gemv_reference`."""
+    if not exact_codes:
+        fi = jnp.finfo(x.dtype)
+        code = lax.reduce_precision(jnp.asarray(code, jnp.float32), exponent_bits=fi.nexp,
+                                    mantissa_bits=fi.nmant)
+    return matmul_4bit_gemv_reference(x, packed, absmax, code, blocksize=blocksize,
+                                      out_dtype=out_dtype, interpret=interpret, nested=nested)
+
+
+VARIANTS = (
+    Variant(
+        name="block_scaled_dot",
+        op="matmul_4bit",
+        fn=matmul_4bit_block_dot,
+        reference=matmul_4bit_block_dot_reference,
+        supports=supports_block_dot,
+        description="Pallas/Triton 4-bit matmul for M <= 16: tensor-core dots of table codes "
+                    "(hi + lo x-dtype pairs, effectively fp32) against x per scale block, then "
+                    "one multiply by the block's absmax per (row, block); the weight is not "
+                    "rounded to x's dtype. Grid (N tiles, K splits). De-nests double-quantized "
+                    "scales in-kernel (nested=). H200 M = 16: 1.93-2.44x bf16.",
+        accepts_nested=True,
+    ),
+    Variant(
+        name="block_scaled_dot_rounded_codes",
+        op="matmul_4bit",
+        fn=functools.partial(matmul_4bit_block_dot, exact_codes=False),
+        reference=functools.partial(matmul_4bit_block_dot_reference, exact_codes=False),
+        supports=supports_block_dot,
+        description="block_scaled_dot with the code table rounded to x's dtype (one dot per "
+                    "nibble half): effective weight round(code) * absmax, bitsandbytes' error "
+                    "bound at a different rounding point. H200 M = 16: 1.42-1.65x bf16 against "
+                    "dequant_dot's 1.86-2.51x. Default at 5 <= M <= 16.",
+        accepts_nested=True,
+    ),
+)
