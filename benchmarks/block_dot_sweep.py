@@ -26,8 +26,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
-from jqlora import quant
+from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
+from benchmarks.timing import distinct_copies, us_per_product
 from jqlora.ops.products import nested_kernel_operands_4bit
 from pallas_kernels import _compat
 from pallas_kernels.dequantize_4bit import denest_absmax_reference
@@ -91,17 +91,11 @@ _ROW_CFGS = {
 def rows():
     """One JSON line per (shape, M): bf16, dequant_dot, and the `_ROW_CFGS` kernels."""
     for (k, n), m in itertools.product(SHAPES_KN, (8, 16)):
-        copies = l2_defeating_copies(n * k // 2)
-        dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
-                 for i in range(copies)]
-        qs = [quant.quantize_4bit(w, "nf4", 64, True) for w in dense]
+        copies, dense, qs = nf4_weight_copies(k, n)
         x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
         xs = distinct_copies(x, copies)
-        dense_copies = l2_defeating_copies(n * k * 2)
         res = dict(k=k, n=n, m=m)
-        res["bf16"] = us_per_product(lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
-                                     (distinct_copies(x, dense_copies), dense[:dense_copies]),
-                                     dense_copies)
+        res["bf16"] = bf16_us(x, dense, k, n)
         res["dequant_dot"] = us_per_product(
             _runner(matmul_4bit_dequant_dot, {}, nested_in_kernel=False), (xs, qs), copies)
         errs = {}
@@ -130,19 +124,13 @@ def main():
 
     setups = {}
     for k, n in SHAPES_KN:
-        copies = l2_defeating_copies(n * k // 2)
-        dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
-                 for i in range(copies)]
-        setups[(k, n)] = (copies, dense, [quant.quantize_4bit(w, "nf4", 64, True) for w in dense])
+        setups[(k, n)] = nf4_weight_copies(k, n)
 
     def cell_baselines(k, n, m):
         copies, dense, qs = setups[(k, n)]
         x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
-        dense_copies = l2_defeating_copies(n * k * 2)
         cell = dict(k=k, n=n, m=m)
-        record(**cell, what="bf16 dot", us=us_per_product(
-            lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
-            (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies))
+        record(**cell, what="bf16 dot", us=bf16_us(x, dense, k, n))
         xs = distinct_copies(x, copies)
         record(**cell, what="dequant_dot", us=us_per_product(
             _runner(matmul_4bit_dequant_dot, {}, nested_in_kernel=False), (xs, qs), copies))

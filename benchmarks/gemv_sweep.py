@@ -23,8 +23,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
-from jqlora import quant
+from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
+from benchmarks.timing import distinct_copies, us_per_product
 from jqlora.ops.products import nested_kernel_operands_4bit
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv, matmul_4bit_gemv_reference
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
@@ -63,18 +63,12 @@ def rows():
     """M = 1..4: bf16 GEMV, split-K kernel, GEMV with and without FMA; at M = 1 also pipelining
     depth and two other tilings. Ratios are against the bf16 time of the same (shape, M)."""
     for (k, n), best in _BEST.items():
-        copies = l2_defeating_copies(n * k // 2)
-        dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
-                 for i in range(copies)]
-        qs = [quant.quantize_4bit(w, "nf4", 64, True) for w in dense]
-        dense_copies = l2_defeating_copies(n * k * 2)
+        copies, dense, qs = nf4_weight_copies(k, n)
         for m in (1, 2, 3, 4):
             x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
             xs = distinct_copies(x, copies)
             res = dict(k=k, n=n, m=m)
-            res["bf16"] = us_per_product(lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
-                              (distinct_copies(x, dense_copies), dense[:dense_copies]),
-                              dense_copies)
+            res["bf16"] = bf16_us(x, dense, k, n)
             res["splitk"] = us_per_product(_kernel_runner(matmul_4bit_small_m, {}), (xs, qs), copies)
             cfgs = {"best": dict(best, fma=False), "best+fma": dict(best, fma=True)}
             if m == 1:
@@ -105,19 +99,13 @@ def main():
 
     setups = {}
     for k, n in SHAPES_KN:
-        copies = l2_defeating_copies(n * k // 2)
-        dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
-                 for i in range(copies)]
-        setups[(k, n)] = (copies, dense, [quant.quantize_4bit(w, "nf4", 64, True) for w in dense])
+        setups[(k, n)] = nf4_weight_copies(k, n)
 
     def cell_baselines(k, n, m):
         copies, dense, qs = setups[(k, n)]
         x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
-        dense_copies = l2_defeating_copies(n * k * 2)
         cell = dict(k=k, n=n, m=m)
-        record(**cell, what="bf16 dot", us=us_per_product(
-            lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
-            (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies))
+        record(**cell, what="bf16 dot", us=bf16_us(x, dense, k, n))
         record(**cell, what="splitk_small_m", us=us_per_product(
             _kernel_runner(matmul_4bit_small_m, {}), (distinct_copies(x, copies), qs), copies))
         return cell, x, copies, qs

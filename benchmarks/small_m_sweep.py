@@ -18,8 +18,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
-from jqlora import ops, quant
+from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
+from benchmarks.timing import distinct_copies, us_per_product
+from jqlora import ops
 from jqlora.ops.products import nested_kernel_operands_4bit
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
 
@@ -48,17 +49,11 @@ def main():
 
     t0 = time.time()
     for k, n in SHAPES_KN:
-        copies = l2_defeating_copies(n * k // 2)
-        dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
-                 for i in range(copies)]
-        qs = [quant.quantize_4bit(w, "nf4", 64, True) for w in dense]
-        dense_copies = l2_defeating_copies(n * k * 2)
+        copies, dense, qs = nf4_weight_copies(k, n)
         for m in (1, 16):
             x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
             cell = dict(k=k, n=n, m=m)
-            record(**cell, what="bf16 dot", us=us_per_product(
-                lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
-                (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies))
+            record(**cell, what="bf16 dot", us=bf16_us(x, dense, k, n))
             for backend in ("pallas", "xla"):
                 record(**cell, what=f"qmatmul {backend}", us=us_per_product(
                     lambda xs, qs, b=backend: [ops.qmatmul(a, q, backend=b) for a, q in zip(xs, qs)],

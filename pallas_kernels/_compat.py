@@ -42,6 +42,14 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    """Largest divisor of n that is <= cap (at least 1): K split counts that divide the tiles."""
+    for d in range(max(1, min(n, cap)), 0, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
 def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 

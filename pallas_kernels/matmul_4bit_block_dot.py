@@ -136,11 +136,7 @@ def _block_dot_kernel(*refs, m: int, n: int, mp: int, bn: int, gc: int, per_bloc
 
 def default_splits(n_tiles: int, nk: int, target_programs: int = _TARGET_PROGRAMS) -> int:
     """Largest divisor of the K tile count giving <= ~target_programs programs."""
-    cap = max(1, min(target_programs // n_tiles, nk))
-    for d in range(cap, 0, -1):
-        if nk % d == 0:
-            return d
-    return 1
+    return _compat.largest_divisor_at_most(nk, target_programs // n_tiles)
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -128,11 +128,8 @@ def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: i
 def _default_splits(n_tiles: int, nk: int, k: int, m: int) -> int:
     """Largest divisor of the K tile count giving <= ~_TARGET_PROGRAMS programs (>= 32 K
     columns per row and split)."""
-    cap = max(1, min(_TARGET_PROGRAMS // n_tiles, k // (32 * max(m, 1)), nk))
-    for d in range(cap, 0, -1):
-        if nk % d == 0:
-            return d
-    return 1
+    return _compat.largest_divisor_at_most(nk, min(_TARGET_PROGRAMS // n_tiles,
+                                                   k // (32 * max(m, 1))))
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -131,14 +131,6 @@ def _splitk_kernel(*refs, n: int, mp: int, bn: int, bkb: int, tps: int, blocksiz
         _compat.store(out_ref, acc.astype(out_ref.dtype), mask=cmask)
 
 
-def _largest_divisor_at_most(n: int, cap: int) -> int:
-    cap = max(1, min(n, cap))
-    for d in range(cap, 0, -1):
-        if n % d == 0:
-            return d
-    return 1
-
-
 @functools.partial(jax.jit, static_argnames=(
     "blocksize", "out_dtype", "interpret", "block_n", "block_k", "splits", "method",
     "rowwise_max_m", "split_x", "num_warps", "num_stages", "reduce_at_end"))
@@ -181,7 +173,7 @@ def matmul_4bit_small_m(x, packed, absmax, code, *, blocksize: int, out_dtype=No
     n_tiles = cdiv(n, bn)
     if splits is None:
         cap = max(1, min(_TARGET_PROGRAMS // n_tiles, k // (32 * mp)))
-        splits = _largest_divisor_at_most(nk, cap)
+        splits = _compat.largest_divisor_at_most(nk, cap)
     elif nk % splits != 0:
         raise ValueError(f"matmul_4bit_small_m: splits={splits} must divide the {nk} K tiles")
     split_x = SPLIT_X_AUTO[rowwise] if split_x == "auto" else split_x

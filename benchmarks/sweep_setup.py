@@ -1,0 +1,25 @@
+"""What the kernel sweeps share: NF4 weight copies that defeat L2, and the bf16 GEMM baseline
+timed the same way (benchmarks/timing.py: distinct x per product, device time per product)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
+from jqlora import quant
+
+
+def nf4_weight_copies(k: int, n: int):
+    """(copies, dense bf16 weights, NF4 blocksize-64 double-quant weights), enough copies that
+    one sweep over the packed weights is at least twice the L2 size."""
+    copies = l2_defeating_copies(n * k // 2)
+    dense = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
+             for i in range(copies)]
+    return copies, dense, [quant.quantize_4bit(w, "nf4", 64, True) for w in dense]
+
+
+def bf16_us(x, dense: list, k: int, n: int):
+    """Device µs per `x @ W.T` of the dense bf16 weights (enough copies to defeat L2)."""
+    dense_copies = l2_defeating_copies(n * k * 2)
+    return us_per_product(lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
+                          (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies)
