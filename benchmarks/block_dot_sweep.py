@@ -30,9 +30,10 @@ from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora.ops.products import nested_kernel_operands_4bit
 from pallas_kernels import _compat
-from pallas_kernels.dequantize_4bit import denest_absmax_reference
+from pallas_kernels.dequantize_4bit import denest_absmax_reference, scale_block_chunks
 from pallas_kernels.matmul_4bit import matmul_4bit_dequant_dot
-from pallas_kernels.matmul_4bit_block_dot import default_splits, matmul_4bit_block_dot
+from pallas_kernels.matmul_4bit_block_dot import (
+    DEFAULT_CONFIG, default_splits, matmul_4bit_block_dot)
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
 
@@ -48,8 +49,9 @@ def _kernel_cfg(cfg, n, k):
     cfg = dict(cfg)
     programs = cfg.pop("programs", None)
     if programs is not None:
-        bkb = _compat.largest_pow2_divisor(k // 2, cfg.get("block_k", 256) // 2)
-        cfg["splits"] = default_splits(_compat.cdiv(n, cfg.get("block_n", 64)), k // 2 // bkb,
+        bn, bk, _ = DEFAULT_CONFIG
+        nk = scale_block_chunks(k, 64, cfg.get("block_k", bk))[4]
+        cfg["splits"] = default_splits(_compat.cdiv(n, cfg.get("block_n", bn)), nk,
                                        programs)
     return cfg
 

@@ -124,6 +124,22 @@ def nested_kernel_inputs(nested):
     return ops, [pl.BlockSpec(a.shape, lambda j, s: (0,)) for a in ops]
 
 
+def scale_block_chunks(k: int, blocksize: int, block_k: int) -> tuple[int, int, int, int, int]:
+    """Tiling of a row of K/2 packed bytes into chunks that never cross a scale block.
+
+    Returns (c, gc, per_block, u, nk): c bytes per chunk, gc chunks per K tile of block_k
+    weight columns (rounded down to a power of two dividing K/2), per_block chunks per scale
+    block, u = K / 2c chunks per row, nk K tiles per row. The packed weight viewed as (N, u, c)
+    is a free reshape (used by the block-scaled kernels).
+    """
+    half_block = blocksize // 2  # bytes per scale block in a row; K / 2 is a multiple of it
+    bkb = _compat.largest_pow2_divisor(k // 2, min(block_k // 2, k // 2))  # bytes per K tile
+    c = min(half_block, bkb)
+    u = k // (2 * c)
+    gc = bkb // c  # 1 when a tile is at most one block
+    return c, gc, half_block // c, u, u // gc
+
+
 # ----------------------------------------------------------------------------------------------
 # In-kernel decode helpers
 # ----------------------------------------------------------------------------------------------

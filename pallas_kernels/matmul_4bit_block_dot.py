@@ -44,7 +44,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
-    HIGHEST, check_4bit_weight, denest_tile, nested_kernel_inputs, row_mask, supports_4bit)
+    HIGHEST, check_4bit_weight, denest_tile, nested_kernel_inputs, row_mask, scale_block_chunks,
+    supports_4bit)
 from pallas_kernels.matmul_4bit import _NT, check_x
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from pallas_kernels.registry import Variant
@@ -172,13 +173,7 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
     if not (_compat.is_pow2(bn) and bn >= 16 and _compat.is_pow2(bk) and bk >= 32):
         raise ValueError(f"{what}: block_n must be a power of two >= 16 and block_k one >= 32, "
                          f"got {bn}, {bk}")
-    half_block = blocksize // 2  # bytes per scale block in a row
-    bkb = _compat.largest_pow2_divisor(k // 2, min(bk // 2, k // 2))
-    c = min(half_block, bkb)  # chunk bytes: within one scale block, >= 16 (blocksize >= 32)
-    gc = bkb // c
-    per_block = half_block // c
-    u = k // (2 * c)
-    nk = u // gc
+    c, gc, per_block, u, nk = scale_block_chunks(k, blocksize, bk)  # c >= 16: blocksize >= 32
     n_tiles = cdiv(n, bn)
     if splits is None:
         splits = default_splits(n_tiles, nk)

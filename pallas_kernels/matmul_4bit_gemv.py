@@ -38,7 +38,7 @@ from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
     HIGHEST, check_4bit_nested_operands, check_4bit_operands, check_4bit_weight,
     denest_absmax_reference, denest_tile, dequantize_4bit_reference, nested_kernel_inputs,
-    supports_4bit)
+    scale_block_chunks, supports_4bit)
 from pallas_kernels.matmul_4bit import check_x
 from pallas_kernels.registry import Variant
 
@@ -164,14 +164,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     num_warps = num_warps or dflt[2]
     if not (_compat.is_pow2(bn) and _compat.is_pow2(bk) and bk >= 2):
         raise ValueError(f"{what}: block_n and block_k must be powers of two, got {bn}, {bk}")
-    half_block = blocksize // 2  # bytes per scale block in a row
-    bkb = min(bk // 2, k // 2)  # bytes per tile row; K / 2 is a multiple of half_block
-    bkb = _compat.largest_pow2_divisor(k // 2, bkb)
-    c = min(half_block, bkb)  # chunk bytes: within one scale block
-    gc = bkb // c  # chunks per tile (1 when a tile is at most one block)
-    per_block = half_block // c  # chunks per scale block (1 when c = half_block)
-    u = k // (2 * c)
-    nk = u // gc
+    c, gc, per_block, u, nk = scale_block_chunks(k, blocksize, bk)
     n_tiles = cdiv(n, bn)
     if splits is None:
         splits = _default_splits(n_tiles, nk, k, m)
