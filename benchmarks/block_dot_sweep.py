@@ -5,7 +5,7 @@ before (`dequant_dot`, `splitk_small_m`) and the bf16 GEMM.
     python -m benchmarks.block_dot_sweep rows   # M = 8, 16: the best family and its options
 
 NF4, blocksize 64, double quant, de-nested in-kernel (as `qmatmul` calls the kernels). Stage 1
-times a shuffled config grid at M = 16 on the first two shapes (SWEEP_BUDGET/4 seconds each);
+times a shuffled config grid at M = 16 on the first two shapes (SWEEP_BUDGET/4 seconds per shape);
 stage 2 times the default and the best stage-1 configs, exact and rounded code tables, at every
 shape and M in (8, 16). The session-6 results (benchmarks/results) were taken when the kernel
 still took M <= 128, with stage 1 also at M = 128 and stage 2 and the rows at M = 16, 64, 128;
@@ -136,9 +136,8 @@ def main():
         xs = distinct_copies(x, copies)
         record(**cell, what="dequant_dot", us=us_per_product(
             _runner(matmul_4bit_dequant_dot, {}, nested_in_kernel=False), (xs, qs), copies))
-        if m <= 64:
-            record(**cell, what="splitk_small_m", us=us_per_product(
-                _runner(matmul_4bit_small_m, {}), (xs, qs), copies))
+        record(**cell, what="splitk_small_m", us=us_per_product(
+            _runner(matmul_4bit_small_m, {}), (xs, qs), copies))
         return cell, x, xs, copies, qs
 
     stage1 = []

@@ -23,7 +23,7 @@ Two code tables, two registered variants:
   table rounded to x's dtype. The effective weight is round(code) * absmax where
   bitsandbytes uses round(code * absmax): the same error bound (half an ulp of x's dtype per
   weight), a different rounding point. Oracle: `matmul_4bit_block_dot_reference`.
-  H200 (session 6, M = 16): 1.42 / 1.42 / 1.65x the bf16 GEMM time at 4096x4096 / 4096x14336 /
+  H200 (session 6, s6-3, M = 16): 1.42 / 1.42 / 1.65x the bf16 GEMM time at 4096x4096 / 4096x14336 /
   14336x4096 against 1.93 / 2.16 / 2.44x exact and dequant_dot's 1.86 / 2.43 / 2.51x. At
   M = 64 and 128 both variants were slower than dequant_dot, hence MAX_M = 16.
 
@@ -51,9 +51,9 @@ from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from pallas_kernels.registry import Variant
 
 MAX_M = 16
-# H200 sweep at M = 16 and 128 (benchmarks/block_dot_sweep.py, session 6): block_n 128, block_k
-# 512, 8 warps and ~1024 programs were best or within 3% on both measured shapes; block_k 128 was
-# 1.3-2x slower, block_n 32 2-3x slower, block_k 1024 20-40% slower.
+# H200 sweep at M = 16 (benchmarks/block_dot_sweep.py, session 6, s6-1): block_n 128, block_k
+# 512, 8 warps and ~1024 programs were best or within 2% on both measured shapes; block_n 32 was
+# 2-4x slower; block_k 1024 10-62% slower (s6-3, s6-4).
 DEFAULT_CONFIG = (128, 512, 8)  # (block_n, block_k, num_warps)
 _TARGET_PROGRAMS = 1024
 
@@ -96,12 +96,11 @@ def _block_dot_kernel(*refs, m: int, n: int, mp: int, bn: int, gc: int, per_bloc
     ragged = n % bn != 0
     wmask = row_mask(j * bn, bn, n) if ragged else None
     xmask = row_mask(0, mp, m)[:, :, None] if mp != m else None
-    dtype = x_ref.dtype
 
     def chunk_dots(u):
         """(bn, mp) fp32 code-weight dots of chunk u against x (all tables, both nibbles)."""
         p = _compat.load(packed_ref.at[:, u, :], mask=wmask, other=0).astype(jnp.int32)
-        xv = _compat.load(x_ref.at[:, u, :, :], mask=xmask, other=0).astype(dtype)
+        xv = _compat.load(x_ref.at[:, u, :, :], mask=xmask, other=0)
         xe, xo = lax.unstack(xv, axis=2)  # (mp, c): columns 2i (high nibble), 2i+1 (low)
         qh, ql = p >> 4, p & 15
         part = None
@@ -166,10 +165,8 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    dflt = DEFAULT_CONFIG
-    bn = block_n or dflt[0]
-    bk = block_k or dflt[1]
-    num_warps = num_warps or dflt[2]
+    bn, bk, nw = DEFAULT_CONFIG
+    bn, bk, num_warps = block_n or bn, block_k or bk, num_warps or nw
     if not (_compat.is_pow2(bn) and bn >= 16 and _compat.is_pow2(bk) and bk >= 32):
         raise ValueError(f"{what}: block_n must be a power of two >= 16 and block_k one >= 32, "
                          f"got {bn}, {bk}")

@@ -27,10 +27,11 @@ SMALL_M_4BIT = 4
 # at M = 3 and 4 the split-K kernel is faster, 1.34-1.67x against 1.42-1.82x).
 GEMV_MAX_M_4BIT = 2
 # 4-bit, 5 <= M <= this: the block-scaled tensor-core kernel with the code table rounded to x's
-# dtype (H200, session 6, same run, M = 16: 1.42 / 1.42 / 1.65x bf16 at 4096x4096 / 4096x14336 /
-# 14336x4096 against dequant_dot's 1.86 / 2.43 / 2.51x). Its effective weight is round(code) *
-# absmax where bitsandbytes (and dequant_dot) use round(code * absmax): the same error bound,
-# another rounding point. At M = 64 and 128 it was slower than dequant_dot; 17..63 untimed.
+# dtype (H200, session 6, full run s6-5, M = 16: 1.54 / 1.39 / 1.62x bf16 at 4096x4096 /
+# 4096x14336 / 14336x4096 against dequant_dot's 2.00 / 2.41 / 2.46x). Its effective weight is
+# round(code) * absmax where bitsandbytes (and dequant_dot) use round(code * absmax): the same
+# error bound, another rounding point. At M = 64 and 128 it was slower than dequant_dot (s6-1,
+# s6-3); 17..63 untimed.
 BLOCK_DOT_MAX_M_4BIT = 16
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
