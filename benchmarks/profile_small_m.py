@@ -3,8 +3,10 @@
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:matmul_4bit_splitk \
         --launch-skip 2 --launch-count 1 --set detailed python -m benchmarks.profile_small_m q 1
 
-Modes: q (NF4 qmatmul), int8, dense, and gemv (the block-scaled GEMV kernel on double-quantized
-NF4, nested in-kernel): `... profile_small_m gemv 1 4096 14336 block_n=32 block_k=512`.
+Modes: q (NF4 qmatmul), int8, dense, gemv (the block-scaled GEMV kernel on double-quantized
+NF4, nested in-kernel): `... profile_small_m gemv 1 4096 14336 block_n=32 block_k=512`, and
+block_dot (the block-scaled tensor-core kernel, rounded codes, the same way; `exact_codes=1` for
+the exact table): `... profile_small_m block_dot 16 4096 14336`.
 
 Without preallocation off, ncu cannot save and restore device memory for kernel replay.
 """
@@ -30,20 +32,26 @@ def main(argv=None):
         w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
         q = quant.quantize_4bit(w, "nf4", 64, True) if mode == "q" else quant.quantize_int8(w)
         f = jax.jit(lambda x: ops.qmatmul(x, q, backend="pallas"))
-    elif mode == "gemv":
+    elif mode in ("gemv", "block_dot"):
         from jqlora.ops.products import nested_kernel_operands_4bit
+        from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
         from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv
 
         w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
         q = quant.quantize_4bit(w, "nf4", 64, True)
         packed, codes, nested = nested_kernel_operands_4bit(q)
-        f = jax.jit(lambda x: matmul_4bit_gemv(x, packed, codes, q.code, blocksize=64,
-                                               nested=nested, **cfg))
+        if mode == "gemv":
+            kernel = matmul_4bit_gemv
+        else:
+            kernel = matmul_4bit_block_dot
+            cfg["exact_codes"] = bool(cfg.get("exact_codes", 0))
+        f = jax.jit(lambda x: kernel(x, packed, codes, q.code, blocksize=64, nested=nested, **cfg))
     elif mode == "dense":
         w = jax.device_put((rng.standard_normal((n, k), np.float32) * 0.02).astype(jnp.bfloat16))
         f = jax.jit(lambda x: jnp.dot(x, w.T))
     else:
-        raise SystemExit(f"mode must be 'q' (NF4), 'int8', 'gemv' or 'dense', got {mode!r}")
+        raise SystemExit(f"mode must be 'q' (NF4), 'int8', 'gemv', 'block_dot' or 'dense', "
+                         f"got {mode!r}")
     for _ in range(5):
         jax.block_until_ready(f(x))
 
