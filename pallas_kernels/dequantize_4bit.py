@@ -169,45 +169,6 @@ def decode_nibbles(p, code_ref, table, *, high: bool, method: str):
     return v
 
 
-def byte_pair_table(code, dtype=jnp.float32):
-    """Both nibbles' codes for each of the 256 byte values: a kernel then decodes a packed byte
-    with one table load from the byte itself, where `code[p >> 4]`, `code[p & 15]` cost two loads,
-    two 64-bit addresses and the nibble extraction (ncu: 4.3 instructions per weight in the GEMV).
-
-    float32: (512,) fp32, code[b >> 4] and code[b & 15] interleaved (two loads, one address).
-    bfloat16/float16: (256,) uint32, the bits of code[b >> 4] (top half) and code[b & 15] (bottom
-    half) rounded to dtype: one 32-bit load per byte. Read with `decode_byte_pairs`.
-    """
-    code = jnp.asarray(code, jnp.float32)
-    b = jnp.arange(256)
-    hi, lo = code[b >> 4], code[b & 15]
-    if jnp.dtype(dtype) == jnp.float32:
-        return jnp.stack([hi, lo], axis=1).reshape(512)
-
-    def bits(v):
-        return jax.lax.bitcast_convert_type(v.astype(dtype), jnp.uint16).astype(jnp.uint32)
-
-    return (bits(hi) << 16) | bits(lo)
-
-
-def decode_byte_pairs(p, table_ref, dtype, *, as_f32: bool = False):
-    """(code[p >> 4], code[p & 15]) for an int32 tile p of byte values, from a `byte_pair_table`
-    of `dtype`; as fp32 where as_f32 (bfloat16 widened by a mask and a shift, no convert)."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.float32:
-        two_p = p * 2
-        return table_ref[two_p], table_ref[two_p + 1]
-    w = table_ref[p]
-    if as_f32 and dtype == jnp.bfloat16:
-        f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
-        return f32(w & jnp.uint32(0xFFFF0000)), f32(w << jnp.uint32(16))
-    hi = jax.lax.bitcast_convert_type((w >> jnp.uint32(16)).astype(jnp.uint16), dtype)
-    lo = jax.lax.bitcast_convert_type(w.astype(jnp.uint16), dtype)
-    if as_f32:
-        return hi.astype(jnp.float32), lo.astype(jnp.float32)
-    return hi, lo
-
-
 def unfused(x):
     """x, opaque to multiply-add contraction: in `unfused(a * b) + c` XLA cannot fuse an FMA (one
     rounding) where bitsandbytes rounds the product first (same trick as jqlora.quant.fourbit)."""

@@ -44,8 +44,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
-    HIGHEST, byte_pair_table, check_4bit_weight, decode_byte_pairs, denest_tile,
-    nested_kernel_inputs, row_mask, scale_block_chunks, supports_4bit)
+    HIGHEST, check_4bit_weight, denest_tile, nested_kernel_inputs, row_mask, scale_block_chunks,
+    supports_4bit)
 from pallas_kernels.matmul_4bit import _NT, check_x
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from pallas_kernels.registry import Variant
@@ -84,7 +84,7 @@ def split_code_table(code, dtype, exact: bool = True):
 
 
 def _block_dot_kernel(*refs, m: int, n: int, mp: int, bn: int, gc: int, per_block: int,
-                      tps: int, n_tables: int, nested: bool, pair_dtype):
+                      tps: int, n_tables: int, nested: bool):
     x_ref, packed_ref, absmax_ref, *rest = refs
     table_refs, rest = rest[:n_tables], rest[n_tables:]
     if nested:
@@ -102,14 +102,11 @@ def _block_dot_kernel(*refs, m: int, n: int, mp: int, bn: int, gc: int, per_bloc
         p = _compat.load(packed_ref.at[:, u, :], mask=wmask, other=0).astype(jnp.int32)
         xv = _compat.load(x_ref.at[:, u, :, :], mask=xmask, other=0)
         xe, xo = lax.unstack(xv, axis=2)  # (mp, c): columns 2i (high nibble), 2i+1 (low)
+        qh, ql = p >> 4, p & 15
         part = None
         for tab in table_refs:
-            if pair_dtype is None:
-                w_hi, w_lo = tab[p >> 4], tab[p & 15]
-            else:  # byte_pair_table: one load per byte
-                w_hi, w_lo = decode_byte_pairs(p, tab, pair_dtype)
-            for w, xs in ((w_hi, xe), (w_lo, xo)):
-                d = lax.dot_general(w, xs, _NT, preferred_element_type=jnp.float32,
+            for q, xs in ((qh, xe), (ql, xo)):
+                d = lax.dot_general(tab[q], xs, _NT, preferred_element_type=jnp.float32,
                                     precision=HIGHEST)  # (bn, mp)
                 part = d if part is None else part + d
         return part
@@ -144,12 +141,12 @@ def default_splits(n_tiles: int, nk: int, target_programs: int = _TARGET_PROGRAM
 
 @functools.partial(jax.jit, static_argnames=(
     "blocksize", "out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
-    "num_stages", "exact_codes", "byte_pairs"))
+    "num_stages", "exact_codes"))
 def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                           interpret: bool = False, block_n: int | None = None,
                           block_k: int | None = None, splits: int | None = None,
                           num_warps: int | None = None, num_stages: int = 3, nested=None,
-                          exact_codes: bool = True, byte_pairs: bool = False):
+                          exact_codes: bool = True):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 16: tensor-core dots per scale block.
 
     block_n weight rows (a power of two >= 16) and block_k weight columns (two per byte; a power
@@ -158,8 +155,6 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
     the uint8 (N, K//bs) codes of double-quantized scales: de-nested in-kernel.
     exact_codes=False: one code table rounded to x's dtype, one dot per nibble half instead of
     two (module doc: numerics and measured speed).
-    byte_pairs: each table as a `byte_pair_table` (one load per packed byte, no nibble
-    extraction); same numbers.
     """
     what = "matmul_4bit_block_dot"
     n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
@@ -183,13 +178,10 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
         raise ValueError(f"{what}: splits={splits} must divide the {nk} K tiles")
     mp = max(16, _compat.next_pow2(m))
     tables = split_code_table(code, x.dtype, exact_codes)
-    pair_dtype = jnp.dtype(tables[0].dtype) if byte_pairs else None
-    if byte_pairs:
-        tables = tuple(byte_pair_table(t.astype(jnp.float32), pair_dtype) for t in tables)
     part_dtype = out_dtype if splits == 1 else jnp.float32
     kernel = functools.partial(_block_dot_kernel, m=m, n=n, mp=mp, bn=bn, gc=gc,
                                per_block=per_block, tps=nk // splits, n_tables=len(tables),
-                               nested=nested is not None, pair_dtype=pair_dtype)
+                               nested=nested is not None)
     nested_ops, nested_specs = nested_kernel_inputs(nested)
     partial = _compat.pallas_call(
         kernel,
@@ -199,7 +191,7 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
             pl.BlockSpec((mp, u, c, 2), lambda j, s: (0, 0, 0, 0)),
             pl.BlockSpec((bn, u, c), lambda j, s: (j, 0, 0)),
             pl.BlockSpec((bn, k // blocksize), lambda j, s: (j, 0)),
-            *[pl.BlockSpec(t.shape, lambda j, s: (0,)) for t in tables],
+            *[pl.BlockSpec((16,), lambda j, s: (0,)) for _ in tables],
             *nested_specs,
         ],
         out_specs=pl.BlockSpec((_compat.SQUEEZED, mp, bn), lambda j, s: (s, 0, j)),

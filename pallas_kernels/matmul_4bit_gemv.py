@@ -9,7 +9,11 @@ structure instead (6.9 per weight measured; 0.85-0.88x the bf16 GEMV time agains
     y[m, n] = sum_b absmax[n, b] * sum_{k in block b} x[m, k] * code[q[n, k]]
 
 so each weight costs one table load and one multiply-add, and the scale one multiply per
-(row, block). The packed weight is viewed as (N, K / 2c, c) chunks of c bytes that never cross
+(row, block). The 16-entry table is kept on purpose: a 256-entry table of both nibbles' codes
+per byte value (one load per byte, no nibble extraction) measured slower on the H200 (s7-2,
+results/..._byte_pair_probe.json: M = 1 at 4096x14336 27.7 us with bf16 pairs, 58.6 us with fp32
+pairs, against 26.8 us). A warp's gather from 16 fp32 codes stays in one 64-byte region; from
+256 entries it touches up to 8 cache lines, each a separate L1 wavefront. The packed weight is viewed as (N, K / 2c, c) chunks of c bytes that never cross
 a scale block (a free reshape in the wrapper), so the block sums are a reduction over the last
 axis of a 3-D tile: no in-kernel reshape. x is viewed as (M, K / 2c, c, 2) and its even/odd
 columns (high/low nibbles) are split in registers.
@@ -36,9 +40,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
-    HIGHEST, byte_pair_table, check_4bit_nested_operands, check_4bit_operands, check_4bit_weight,
-    decode_byte_pairs, denest_absmax_reference, denest_tile, dequantize_4bit_reference,
-    nested_kernel_inputs, scale_block_chunks, supports_4bit)
+    HIGHEST, check_4bit_nested_operands, check_4bit_operands, check_4bit_weight,
+    denest_absmax_reference, denest_tile, dequantize_4bit_reference, nested_kernel_inputs,
+    scale_block_chunks, supports_4bit)
 from pallas_kernels.matmul_4bit import check_x
 from pallas_kernels.registry import Variant
 
@@ -77,7 +81,7 @@ def matmul_4bit_gemv_reference(x, packed, absmax, code, *, blocksize: int, out_d
 
 
 def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: int,
-                 nested: bool, fma: bool, table_dtype, interpret: bool):
+                 nested: bool, fma: bool, interpret: bool):
     x_ref, packed_ref, absmax_ref, code_ref, *rest = refs
     if nested:
         nested_absmax_ref, nested_code_ref, offset_ref, out_ref = rest
@@ -96,11 +100,8 @@ def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: i
         u0 = pl.multiple_of((s * tps + t) * gc, gc)  # first chunk of this tile
         p = _compat.load(packed_ref.at[:, pl.ds(u0, gc), :], mask=wmask3, other=0)
         p = p.astype(jnp.int32)
-        if table_dtype is None:  # the 16-entry table
-            v_hi = code_ref[p >> 4]  # (bn, gc, c) fp32: x[2j] pairs with the high nibble
-            v_lo = code_ref[p & 15]
-        else:  # a byte_pair_table: one load per byte
-            v_hi, v_lo = decode_byte_pairs(p, code_ref, table_dtype, as_f32=True)
+        v_hi = code_ref[p >> 4]  # (bn, gc, c) fp32: x[2j] pairs with the high nibble
+        v_lo = code_ref[p & 15]
         c0 = u0 // per_block
         am = _compat.load(absmax_ref.at[:, pl.ds(c0, g)], mask=amask, other=0)
         if nested:
@@ -128,20 +129,6 @@ def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: i
         _compat.store(out_ref.at[pl.ds(r, 1), :], y[None, :].astype(out_ref.dtype), mask=cmask)
 
 
-TABLES = ("nibble", "byte_pairs", "byte_pairs_rounded")
-
-
-def code_table(code, table: str, x_dtype, *, what: str):
-    """(table_dtype, table array) for `table`: (None, code) for the 16-entry table, else a
-    `byte_pair_table` of fp32 codes or of codes rounded to x's dtype (fp32 x: exact)."""
-    if table == "nibble":
-        return None, code
-    if table not in TABLES:
-        raise ValueError(f"{what}: unknown table {table!r}; expected one of {TABLES}")
-    dtype = jnp.dtype(x_dtype) if table == "byte_pairs_rounded" else jnp.dtype(jnp.float32)
-    return dtype, byte_pair_table(code, dtype)
-
-
 def _default_splits(n_tiles: int, nk: int, k: int, m: int) -> int:
     """Largest divisor of the K tile count giving <= ~_TARGET_PROGRAMS programs (>= 32 K
     columns per row and split)."""
@@ -151,12 +138,12 @@ def _default_splits(n_tiles: int, nk: int, k: int, m: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=(
     "blocksize", "out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
-    "num_stages", "fma", "table"))
+    "num_stages", "fma"))
 def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                      interpret: bool = False, block_n: int | None = None,
                      block_k: int | None = None, splits: int | None = None,
                      num_warps: int | None = None, num_stages: int = 3, nested=None,
-                     fma: bool = True, table: str = "nibble"):
+                     fma: bool = True):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 4, scaled per block in fp32 (see module doc).
 
     block_k counts weight columns per tile (two per byte; a power of two); `splits` K splits
@@ -165,9 +152,6 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     (inline PTX; measured 1% faster at M = 1 and 3-5% at M = 2 on an H200).
     nested = (nested_absmax, nested_code, offset) with `absmax` the uint8 (N, K//bs) codes of
     double-quantized scales: de-nested in-kernel.
-    table: "nibble" (the 16 codes, two loads per byte), "byte_pairs" (fp32 codes per byte
-    value, `byte_pair_table`) or "byte_pairs_rounded" (the codes rounded to x's dtype, one
-    32-bit load per byte; the effective weight is round(code) * absmax).
     """
     what = "matmul_4bit_gemv"
     n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
@@ -191,10 +175,8 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     elif splits < 1 or nk % splits != 0:
         raise ValueError(f"{what}: splits={splits} must divide the {nk} K tiles")
     part_dtype = out_dtype if splits == 1 else jnp.float32
-    table_dtype, tab = code_table(code, table, x.dtype, what=what)
     kernel = functools.partial(_gemv_kernel, m=m, n=n, bn=bn, gc=gc, per_block=per_block,
                                tps=nk // splits, nested=nested is not None, fma=fma,
-                               table_dtype=table_dtype,
                                interpret=_compat.resolve_interpret(interpret))
     nested_ops, nested_specs = nested_kernel_inputs(nested)
     partial = _compat.pallas_call(
@@ -205,7 +187,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
             pl.BlockSpec((m, u, c, 2), lambda j, s: (0, 0, 0, 0)),
             pl.BlockSpec((bn, u, c), lambda j, s: (j, 0, 0)),
             pl.BlockSpec((bn, k // blocksize), lambda j, s: (j, 0)),
-            pl.BlockSpec(tab.shape, lambda j, s: (0,)),
+            pl.BlockSpec((16,), lambda j, s: (0,)),
             *nested_specs,
         ],
         out_specs=pl.BlockSpec((_compat.SQUEEZED, m, bn), lambda j, s: (s, 0, j)),
@@ -213,7 +195,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
         num_warps=num_warps,
         num_stages=num_stages,
         name="matmul_4bit_gemv",
-    )(x.reshape(m, u, c, 2), packed.reshape(n, u, c), absmax, tab, *nested_ops)
+    )(x.reshape(m, u, c, 2), packed.reshape(n, u, c), absmax, code, *nested_ops)
     y = partial[0] if splits == 1 else jnp.sum(partial, axis=0)
     return y.astype(out_dtype)
 
