@@ -240,7 +240,7 @@ VARIANTS = (
         description="block_scaled_dot with the code table rounded to x's dtype (one dot per "
                     "nibble half): effective weight round(code) * absmax, bitsandbytes' error "
                     "bound at a different rounding point. H200 M = 16: 1.42-1.65x bf16 against "
-                    "dequant_dot's 1.86-2.51x. Default at 5 <= M <= 16.",
+                    "dequant_dot's 1.86-2.51x. Default at 4 <= M <= 16.",
         accepts_nested=True,
     ),
 )

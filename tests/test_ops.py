@@ -268,8 +268,7 @@ def test_auto_plan_on_a_gpu_follows_the_measured_defaults(monkeypatch):
     assert plan("nf4", 1) == backends.Plan("pallas", "gemv_block_scaled", "dequant_dot_t")
     assert plan("nf4", 2) == backends.Plan("pallas", "gemv_block_scaled", "dequant_dot_t")
     assert plan("nf4", 3) == backends.Plan("pallas", "splitk_small_m", "dequant_dot_t")
-    assert plan("nf4", 4) == backends.Plan("pallas", "splitk_small_m", "dequant_dot_t")
-    for m in (5, 16):
+    for m in (4, 5, 16):
         assert plan("nf4", m) == backends.Plan("pallas", "block_scaled_dot_rounded_codes",
                                                "dequant_dot_t")
     assert plan("nf4", 17) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")

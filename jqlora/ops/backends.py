@@ -17,21 +17,23 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
 SMALL_M = 64  # INT8: at or below this many rows the split-K kernel streams CB once
-# 4-bit: at or below this many rows the split-K kernel's row-wise path streams the packed weight
-# once (H200, M = 1: 1.15-1.17x bf16 against dequant_dot's 2.2-2.7x). Above it the kernel's dot
-# path is decode-bound and dequant_dot is faster: M = 16, both full H200 runs (sessions 2 and 4):
-# dequant_dot 2.13-2.55x against 2.50-2.86x on all three shapes. M = 2..4 and 17..64 untimed.
-SMALL_M_4BIT = 4
+# 4-bit, GEMV_MAX_M_4BIT < M <= this: the split-K kernel's row-wise path. Measured against its
+# neighbours in one run (H200, session 7, s7-3, results/..._m2_5_rows.json; ratios to bf16 at
+# 4096x4096 / 4096x14336 / 14336x4096): M = 3: split-K 1.45 / 1.52 / 1.58, block-scaled dot
+# (rounded codes) 1.57 / 1.36 / 1.57, GEMV 1.50 / 1.56 / 1.58: mixed, split-K kept. M = 4:
+# split-K 1.59 / 1.74 / 1.75 against the block-scaled dot's 1.56 / 1.41 / 1.60, so M = 4 moved
+# to the block-scaled dot.
+SMALL_M_4BIT = 3
 # 4-bit, at or below this many rows: the block-scaled GEMV (H200, session 5, same run: M = 1
 # 0.86-0.88x bf16 against the split-K kernel's 1.11-1.17x; M = 2 1.21-1.26x against 1.27-1.36x;
-# at M = 3 and 4 the split-K kernel is faster, 1.34-1.67x against 1.42-1.82x).
+# s7-3 again at M = 2: 1.24 / 1.28 / 1.30 against 1.32 / 1.36 / 1.40).
 GEMV_MAX_M_4BIT = 2
-# 4-bit, 5 <= M <= this: the block-scaled tensor-core kernel with the code table rounded to x's
-# dtype (H200, session 6, full run s6-5, M = 16: 1.54 / 1.39 / 1.62x bf16 at 4096x4096 /
-# 4096x14336 / 14336x4096 against dequant_dot's 2.00 / 2.41 / 2.46x). Its effective weight is
-# round(code) * absmax where bitsandbytes (and dequant_dot) use round(code * absmax): the same
-# error bound, another rounding point. At M = 64 and 128 it was slower than dequant_dot (s6-1,
-# s6-3); 17..63 untimed.
+# 4-bit, SMALL_M_4BIT < M <= this: the block-scaled tensor-core kernel with the code table
+# rounded to x's dtype (H200, session 6, full run s6-5, M = 16: 1.54 / 1.39 / 1.62x bf16 at
+# 4096x4096 / 4096x14336 / 14336x4096 against dequant_dot's 2.00 / 2.41 / 2.46x). Its effective
+# weight is round(code) * absmax where bitsandbytes (and dequant_dot) use round(code * absmax):
+# the same error bound, another rounding point. At M = 64 and 128 it was slower than dequant_dot
+# (s6-1, s6-3); 17..63 untimed.
 BLOCK_DOT_MAX_M_4BIT = 16
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
@@ -55,6 +57,9 @@ DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
 DEFAULT_INT8_FWD_SMALL = "int8_weight_only_splitk"
 DEFAULT_INT8_FWD_LARGE = "int8_dequant_dot"
 DEFAULT_INT8_BWD = "int8_dequant_dot_t"
+# LLM.int8 numerics under `auto` stay on the jnp path ("xla": XLA's int8 GEMM): in the H200 run
+# s7-3 (results/..._int8_numerics_probe.json, all 15 protocol cells) it was faster than this
+# kernel everywhere, threshold 0: 0.68-1.26x bf16 against 0.98-3.40x. backend="pallas" runs it.
 DEFAULT_LLM_INT8 = "llm_int8_tiled"
 
 
@@ -117,9 +122,9 @@ def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics
         if not on_gpu():
             return Plan("xla")
         if numerics == "llm_int8":
-            # bit-exact with bitsandbytes on the GPU (compiled suite), but its speed against the
-            # jnp path was never benchmarked: auto keeps the measured path.
-            log.debug("qmatmul auto backend: llm_int8 numerics use xla (kernel not benchmarked)")
+            # the kernel is bit-exact with bitsandbytes on the GPU (compiled suite) but slower
+            # than XLA's int8 GEMM in every measured cell (DEFAULT_LLM_INT8's comment)
+            log.debug("qmatmul auto backend: llm_int8 numerics use xla (measured faster)")
             return Plan("xla")
         if problem:
             log.debug("qmatmul auto backend: falling back to xla: %s", problem)
