@@ -3,6 +3,7 @@ before (`dequant_dot`, `splitk_small_m`) and the bf16 GEMM.
 
     OUT=/tmp/out SWEEP_BUDGET=200 python -m benchmarks.block_dot_sweep
     python -m benchmarks.block_dot_sweep rows   # M = 8, 16: the best family and its options
+    python -m benchmarks.block_dot_sweep waves  # M = 16: every K split count (programs per wave)
 
 NF4, blocksize 64, double quant, de-nested in-kernel (as `qmatmul` calls the kernels). Stage 1
 times a shuffled config grid at M = 16 on the first two shapes (SWEEP_BUDGET/4 seconds per shape);
@@ -113,9 +114,34 @@ def rows():
         print(json.dumps(res), flush=True)
 
 
+def waves():
+    """M = 16, every split count that divides the K tiles (block 128x512 with 4 and 8 warps,
+    128x256 with 8, 64x512 with 4): the ncu profile (s7-3) showed 896 programs at 4 resident per SM, 1.7
+    waves, and warned of the partial wave. One JSON line per (shape, config, splits)."""
+    for k, n in SHAPES_KN:
+        copies, dense, qs = nf4_weight_copies(k, n)
+        x = jax.random.normal(jax.random.key(9), (16, k), jnp.bfloat16)
+        xs = distinct_copies(x, copies)
+        base = bf16_us(x, dense, k, n)
+        for bn, bk, nw in ((128, 512, 8), (128, 512, 4), (128, 256, 8), (64, 512, 4)):
+            nk = scale_block_chunks(k, 64, bk)[4]
+            for splits in (d for d in range(1, nk + 1) if nk % d == 0):
+                programs = _compat.cdiv(n, bn) * splits
+                if not 100 <= programs <= 4000:
+                    continue
+                cfg = dict(block_n=bn, block_k=bk, num_warps=nw, splits=splits,
+                           exact_codes=False)
+                us = us_per_product(_runner(matmul_4bit_block_dot, cfg), (xs, qs), copies)
+                print(json.dumps(dict(k=k, n=n, m=16, bf16=base, programs=programs, **cfg,
+                                      us=us, ratio=round(us / base, 3)
+                                      if isinstance(us, float) else None)), flush=True)
+
+
 def main():
     if sys.argv[1:] == ["rows"]:
         return rows()
+    if sys.argv[1:] == ["waves"]:
+        return waves()
     out_dir = os.environ.get("OUT", "/tmp")
     budget = float(os.environ.get("SWEEP_BUDGET", "200"))
     records = []

@@ -34,7 +34,10 @@ def main():
         x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
         xs = distinct_copies(x, copies)
         res = dict(k=k, n=n, m=m, bf16=bf16_us(x, dense, k, n))
-        for name, (kernel, kw) in KERNELS.items():
+        kernels = dict(KERNELS)
+        if m <= 4:  # the split-K kernel's row-wise path with one 256-column K tile per program
+            kernels["splitk_small_m one tile"] = (matmul_4bit_small_m, dict(splits=k // 256))
+        for name, (kernel, kw) in kernels.items():
             res[name] = us_per_product(_runner(kernel, kw), (xs, qs), copies)
         res["ratios"] = {key: round(v / res["bf16"], 3) for key, v in res.items()
                          if isinstance(v, float) and key != "bf16"}

@@ -47,7 +47,12 @@ from pallas_kernels.matmul_4bit import check_x
 from pallas_kernels.registry import Variant
 
 MAX_M = 4
-_TARGET_PROGRAMS = 1024  # ~8 per SM on a 132-SM H100/H200
+# Default K splits: one K tile per program (a grid of N tiles x K tiles, fp32 partials summed
+# by XLA). H200, s7-6 (results/..._gemv_loop_probe.jsonl): against the earlier default (the
+# largest split count <= ~1024 programs, a K loop of 4 tiles per program at the 14336 shapes),
+# M = 1 went from 0.873 / 0.857 to 0.823 / 0.828x bf16 at 4096x14336 / 14336x4096, M = 2 from
+# 1.254 / 1.284 to 0.982 / 1.033x; 4096x4096 already had one tile per program. A K loop per
+# program serialises the latency-bound decode; more, shorter programs overlap it.
 # (block_n, block_k, num_warps) from H200 sweeps at M = 1 (benchmarks/gemv_sweep.py, results
 # in benchmarks/results): 64x256 with 8 warps was best at 4096x4096 (9.8 us against 10.5 for
 # 32x512) but 25% slower at the 14336 shapes, where 32x512 with 4 warps was best.
@@ -129,11 +134,6 @@ def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: i
         _compat.store(out_ref.at[pl.ds(r, 1), :], y[None, :].astype(out_ref.dtype), mask=cmask)
 
 
-def _default_splits(n_tiles: int, nk: int, k: int, m: int) -> int:
-    """Largest divisor of the K tile count giving <= ~_TARGET_PROGRAMS programs (>= 32 K
-    columns per row and split)."""
-    return _compat.largest_divisor_at_most(nk, min(_TARGET_PROGRAMS // n_tiles,
-                                                   k // (32 * max(m, 1))))
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -147,7 +147,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 4, scaled per block in fp32 (see module doc).
 
     block_k counts weight columns per tile (two per byte; a power of two); `splits` K splits
-    (must divide the number of K tiles; default: enough programs to fill the GPU). Unset
+    (must divide the number of K tiles; default: one K tile per program). Unset
     block_n/block_k/num_warps come from `default_config`. fma: one fused multiply-add per byte
     (inline PTX; measured 1% faster at M = 1 and 3-5% at M = 2 on an H200).
     nested = (nested_absmax, nested_code, offset) with `absmax` the uint8 (N, K//bs) codes of
@@ -171,7 +171,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     c, gc, per_block, u, nk = scale_block_chunks(k, blocksize, bk)
     n_tiles = cdiv(n, bn)
     if splits is None:
-        splits = _default_splits(n_tiles, nk, k, m)
+        splits = nk  # one K tile per program (measured: the comment above default_config)
     elif splits < 1 or nk % splits != 0:
         raise ValueError(f"{what}: splits={splits} must divide the {nk} K tiles")
     part_dtype = out_dtype if splits == 1 else jnp.float32
