@@ -13,9 +13,11 @@ so each weight costs one table load and one multiply-add, and the scale one mult
 per byte value (one load per byte, no nibble extraction) measured slower on the H200 (s7-2,
 results/..._byte_pair_probe.json: M = 1 at 4096x14336 27.7 us with bf16 pairs, 58.6 us with fp32
 pairs, against 26.8 us). A warp's gather from 16 fp32 codes stays in one 64-byte region; from
-256 entries it touches up to 8 cache lines, each a separate L1 wavefront. The packed weight is viewed as (N, K / 2c, c) chunks of c bytes that never cross
-a scale block (a free reshape in the wrapper), so the block sums are a reduction over the last
-axis of a 3-D tile: no in-kernel reshape. x is viewed as (M, K / 2c, c, 2) and its even/odd
+256 entries it touches up to 8 cache lines, each a separate L1 wavefront.
+
+The packed weight is viewed as (N, K / 2c, c) chunks of c bytes that never cross a scale block
+(a free reshape in the wrapper), so the block sums are a reduction over the last axis of a 3-D
+tile: no in-kernel reshape. x is viewed as (M, K / 2c, c, 2) and its even/odd
 columns (high/low nibbles) are split in registers.
 
 Numerics: the weight is never rounded to x's dtype. The oracle `matmul_4bit_gemv_reference` is
@@ -132,8 +134,6 @@ def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: i
     for r in range(m):
         y = jnp.sum(accs[r], axis=1)
         _compat.store(out_ref.at[pl.ds(r, 1), :], y[None, :].astype(out_ref.dtype), mask=cmask)
-
-
 
 
 @functools.partial(jax.jit, static_argnames=(
