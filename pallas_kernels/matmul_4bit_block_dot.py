@@ -41,13 +41,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
     HIGHEST, check_4bit_weight, denest_tile, nested_kernel_inputs, row_mask, scale_block_chunks,
     supports_4bit)
 from pallas_kernels.matmul_4bit import _NT, check_x
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
+from pallas_kernels.matmul_4bit_gemv import (
+    matmul_4bit_gemv_reference, matmul_4bit_rounded_codes_reference)
 from pallas_kernels.registry import Variant
 
 MAX_M = 16
@@ -84,7 +85,7 @@ def split_code_table(code, dtype, exact: bool = True):
 
 
 def _block_dot_kernel(*refs, m: int, n: int, mp: int, bn: int, gc: int, per_block: int,
-                      tps: int, n_tables: int, nested: bool):
+                      tps: int, n_tables: int, nested: bool, prmt: bool, interpret: bool):
     x_ref, packed_ref, absmax_ref, *rest = refs
     table_refs, rest = rest[:n_tables], rest[n_tables:]
     if nested:
@@ -96,17 +97,28 @@ def _block_dot_kernel(*refs, m: int, n: int, mp: int, bn: int, gc: int, per_bloc
     ragged = n % bn != 0
     wmask = row_mask(j * bn, bn, n) if ragged else None
     xmask = row_mask(0, mp, m)[:, :, None] if mp != m else None
+    # prmt: table_refs[0] holds the 8 words of nibble_lookup.table_words, read once
+    words = [table_refs[0][i] for i in range(8)] if prmt else None
+
+    def code_tile(p, table, half):
+        """code[p >> 4] (half "hi") or code[p & 15] ("lo") in x's dtype."""
+        if prmt:
+            return nibble_lookup.lookup(p, words, x_ref.dtype, half, interpret=interpret)
+        q = p.astype(jnp.int32)
+        return table[q >> 4] if half == "hi" else table[q & 15]
 
     def chunk_dots(u):
         """(bn, mp) fp32 code-weight dots of chunk u against x (all tables, both nibbles)."""
-        p = _compat.load(packed_ref.at[:, u, :], mask=wmask, other=0).astype(jnp.int32)
+        p = _compat.load(packed_ref.at[:, u, :], mask=wmask, other=0)
         xv = _compat.load(x_ref.at[:, u, :, :], mask=xmask, other=0)
         xe, xo = lax.unstack(xv, axis=2)  # (mp, c): columns 2i (high nibble), 2i+1 (low)
-        qh, ql = p >> 4, p & 15
         part = None
-        for tab in table_refs:
-            for q, xs in ((qh, xe), (ql, xo)):
-                d = lax.dot_general(tab[q], xs, _NT, preferred_element_type=jnp.float32,
+        # each code tile made right before its dot: the tiles are tensor-core operands in
+        # shared memory, and four live at once (exact codes, blocksize 4096) overflowed it
+        for tab in table_refs:  # prmt: one entry (the words), ignored by code_tile
+            for half, xs in (("hi", xe), ("lo", xo)):
+                d = lax.dot_general(code_tile(p, tab, half), xs, _NT,
+                                    preferred_element_type=jnp.float32,
                                     precision=HIGHEST)  # (bn, mp)
                 part = d if part is None else part + d
         return part
@@ -141,12 +153,12 @@ def default_splits(n_tiles: int, nk: int, target_programs: int = _TARGET_PROGRAM
 
 @functools.partial(jax.jit, static_argnames=(
     "blocksize", "out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
-    "num_stages", "exact_codes"))
+    "num_stages", "exact_codes", "lookup"))
 def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                           interpret: bool = False, block_n: int | None = None,
                           block_k: int | None = None, splits: int | None = None,
                           num_warps: int | None = None, num_stages: int = 3, nested=None,
-                          exact_codes: bool = True):
+                          exact_codes: bool = True, lookup: str = "gather"):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 16: tensor-core dots per scale block.
 
     block_n weight rows (a power of two >= 16) and block_k weight columns (two per byte; a power
@@ -155,6 +167,9 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
     the uint8 (N, K//bs) codes of double-quantized scales: de-nested in-kernel.
     exact_codes=False: one code table rounded to x's dtype, one dot per nibble half instead of
     two (module doc: numerics and measured speed).
+    lookup: how a tile's codes are found: "gather" (a load from the code table per weight) or
+    "prmt" (byte permutes in registers, `nibble_lookup`; needs exact_codes=False; fp32 x has
+    no 16-bit table and gathers). The two give bitwise the same code tiles.
     """
     what = "matmul_4bit_block_dot"
     n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
@@ -162,6 +177,10 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"{what}: M={m} > {MAX_M}; use matmul_4bit_dequant_dot (measured faster)")
+    if lookup not in ("gather", "prmt"):
+        raise ValueError(f"{what}: lookup must be 'gather' or 'prmt', got {lookup!r}")
+    if lookup == "prmt" and exact_codes:
+        raise ValueError(f"{what}: lookup='prmt' needs exact_codes=False (one 16-bit table)")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
@@ -178,10 +197,14 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
         raise ValueError(f"{what}: splits={splits} must divide the {nk} K tiles")
     mp = max(16, _compat.next_pow2(m))
     tables = split_code_table(code, x.dtype, exact_codes)
+    prmt = lookup == "prmt" and tables[0].dtype.itemsize == 2
+    if prmt:
+        tables = (nibble_lookup.table_words(tables[0]),)
     part_dtype = out_dtype if splits == 1 else jnp.float32
     kernel = functools.partial(_block_dot_kernel, m=m, n=n, mp=mp, bn=bn, gc=gc,
                                per_block=per_block, tps=nk // splits, n_tables=len(tables),
-                               nested=nested is not None)
+                               nested=nested is not None, prmt=prmt,
+                               interpret=_compat.resolve_interpret(interpret))
     nested_ops, nested_specs = nested_kernel_inputs(nested)
     partial = _compat.pallas_call(
         kernel,
@@ -191,7 +214,7 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
             pl.BlockSpec((mp, u, c, 2), lambda j, s: (0, 0, 0, 0)),
             pl.BlockSpec((bn, u, c), lambda j, s: (j, 0, 0)),
             pl.BlockSpec((bn, k // blocksize), lambda j, s: (j, 0)),
-            *[pl.BlockSpec((16,), lambda j, s: (0,)) for _ in tables],
+            *[pl.BlockSpec(t.shape, lambda j, s: (0,)) for t in tables],
             *nested_specs,
         ],
         out_specs=pl.BlockSpec((_compat.SQUEEZED, mp, bn), lambda j, s: (s, 0, j)),
@@ -210,9 +233,9 @@ def matmul_4bit_block_dot_reference(x, packed, absmax, code, *, blocksize: int, 
     """Oracle: x as fp32 @ (code' [q] * absmax).T in fp32, code' = code (exact_codes) or code
     rounded to x's dtype. With exact codes this is `matmul_4bit_gemv_reference`."""
     if not exact_codes:
-        fi = jnp.finfo(x.dtype)
-        code = lax.reduce_precision(jnp.asarray(code, jnp.float32), exponent_bits=fi.nexp,
-                                    mantissa_bits=fi.nmant)
+        return matmul_4bit_rounded_codes_reference(
+            x, packed, absmax, code, blocksize=blocksize, out_dtype=out_dtype,
+            interpret=interpret, nested=nested)
     return matmul_4bit_gemv_reference(x, packed, absmax, code, blocksize=blocksize,
                                       out_dtype=out_dtype, interpret=interpret, nested=nested)
 
@@ -241,6 +264,17 @@ VARIANTS = (
                     "nibble half): effective weight round(code) * absmax, bitsandbytes' error "
                     "bound at a different rounding point. H200 M = 16: 1.42-1.65x bf16 against "
                     "dequant_dot's 1.86-2.51x. Default at 4 <= M <= 16.",
+        accepts_nested=True,
+    ),
+    Variant(
+        name="block_scaled_dot_prmt",
+        op="matmul_4bit",
+        fn=functools.partial(matmul_4bit_block_dot, exact_codes=False, lookup="prmt"),
+        reference=functools.partial(matmul_4bit_block_dot_reference, exact_codes=False),
+        supports=supports_block_dot,
+        description="block_scaled_dot_rounded_codes with the codes looked up by byte permutes "
+                    "in registers (nibble_lookup: 3.25 instructions per weight, no load) "
+                    "instead of a table gather; bitwise the same code tiles.",
         accepts_nested=True,
     ),
 )

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
     HIGHEST, check_4bit_nested_operands, check_4bit_operands, check_4bit_weight,
@@ -87,8 +87,19 @@ def matmul_4bit_gemv_reference(x, packed, absmax, code, *, blocksize: int, out_d
     return y.astype(out_dtype)
 
 
+def matmul_4bit_rounded_codes_reference(x, packed, absmax, code, *, blocksize: int,
+                                        out_dtype=None, interpret: bool = False, nested=None):
+    """Oracle of the rounded-code kernels: `matmul_4bit_gemv_reference` with the code table
+    rounded to x's dtype first (effective weight round(code) * absmax)."""
+    fi = jnp.finfo(x.dtype)
+    code = lax.reduce_precision(jnp.asarray(code, jnp.float32), exponent_bits=fi.nexp,
+                                mantissa_bits=fi.nmant)
+    return matmul_4bit_gemv_reference(x, packed, absmax, code, blocksize=blocksize,
+                                      out_dtype=out_dtype, interpret=interpret, nested=nested)
+
+
 def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: int,
-                 nested: bool, fma: bool, interpret: bool):
+                 nested: bool, fma: bool, prmt: bool, interpret: bool):
     x_ref, packed_ref, absmax_ref, code_ref, *rest = refs
     if nested:
         nested_absmax_ref, nested_code_ref, offset_ref, out_ref = rest
@@ -102,13 +113,19 @@ def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: i
     amask = (rows < n) if ragged else None
     # per_block > 1: each chunk is a part of one scale block and a tile (gc = 1) has one scale.
     g = gc if per_block == 1 else 1
+    # prmt: code_ref holds the 8 words of nibble_lookup.table_words (x's dtype), read once
+    words = [code_ref[i] for i in range(8)] if prmt else None
 
     def body(t, accs):
         u0 = pl.multiple_of((s * tps + t) * gc, gc)  # first chunk of this tile
         p = _compat.load(packed_ref.at[:, pl.ds(u0, gc), :], mask=wmask3, other=0)
-        p = p.astype(jnp.int32)
-        v_hi = code_ref[p >> 4]  # (bn, gc, c) fp32: x[2j] pairs with the high nibble
-        v_lo = code_ref[p & 15]
+        if prmt:
+            v_hi, v_lo = (nibble_lookup.lookup(p, words, x_ref.dtype, half, interpret=interpret)
+                          .astype(jnp.float32) for half in ("hi", "lo"))
+        else:
+            p = p.astype(jnp.int32)
+            v_hi = code_ref[p >> 4]  # (bn, gc, c) fp32: x[2j] pairs with the high nibble
+            v_lo = code_ref[p & 15]
         c0 = u0 // per_block
         am = _compat.load(absmax_ref.at[:, pl.ds(c0, g)], mask=amask, other=0)
         if nested:
@@ -138,12 +155,12 @@ def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: i
 
 @functools.partial(jax.jit, static_argnames=(
     "blocksize", "out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
-    "num_stages", "fma"))
+    "num_stages", "fma", "lookup"))
 def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                      interpret: bool = False, block_n: int | None = None,
                      block_k: int | None = None, splits: int | None = None,
                      num_warps: int | None = None, num_stages: int = 3, nested=None,
-                     fma: bool = True):
+                     fma: bool = True, lookup: str = "gather"):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 4, scaled per block in fp32 (see module doc).
 
     block_k counts weight columns per tile (two per byte; a power of two); `splits` K splits
@@ -152,6 +169,10 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     (inline PTX; measured 1% faster at M = 1 and 3-5% at M = 2 on an H200).
     nested = (nested_absmax, nested_code, offset) with `absmax` the uint8 (N, K//bs) codes of
     double-quantized scales: de-nested in-kernel.
+    lookup: "gather" (fp32 codes loaded from the table per weight) or "prmt" (the codes rounded
+    to x's dtype, found by byte permutes in registers: `nibble_lookup`; the effective weight is
+    then round(code) * absmax, oracle `matmul_4bit_rounded_codes_reference`; fp32 x gathers,
+    which is the same product).
     """
     what = "matmul_4bit_gemv"
     n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
@@ -159,6 +180,8 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     m = x.shape[0]
     if m > MAX_M:
         raise ValueError(f"{what}: M={m} > {MAX_M}; use matmul_4bit_small_m or matmul_4bit")
+    if lookup not in ("gather", "prmt"):
+        raise ValueError(f"{what}: lookup must be 'gather' or 'prmt', got {lookup!r}")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
@@ -175,8 +198,10 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     elif splits < 1 or nk % splits != 0:
         raise ValueError(f"{what}: splits={splits} must divide the {nk} K tiles")
     part_dtype = out_dtype if splits == 1 else jnp.float32
+    prmt = lookup == "prmt" and jnp.dtype(x.dtype).itemsize == 2
+    table = nibble_lookup.table_words(code.astype(x.dtype)) if prmt else code
     kernel = functools.partial(_gemv_kernel, m=m, n=n, bn=bn, gc=gc, per_block=per_block,
-                               tps=nk // splits, nested=nested is not None, fma=fma,
+                               tps=nk // splits, nested=nested is not None, fma=fma, prmt=prmt,
                                interpret=_compat.resolve_interpret(interpret))
     nested_ops, nested_specs = nested_kernel_inputs(nested)
     partial = _compat.pallas_call(
@@ -187,7 +212,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
             pl.BlockSpec((m, u, c, 2), lambda j, s: (0, 0, 0, 0)),
             pl.BlockSpec((bn, u, c), lambda j, s: (j, 0, 0)),
             pl.BlockSpec((bn, k // blocksize), lambda j, s: (j, 0)),
-            pl.BlockSpec((16,), lambda j, s: (0,)),
+            pl.BlockSpec(table.shape, lambda j, s: (0,)),
             *nested_specs,
         ],
         out_specs=pl.BlockSpec((_compat.SQUEEZED, m, bn), lambda j, s: (s, 0, j)),
@@ -195,7 +220,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
         num_warps=num_warps,
         num_stages=num_stages,
         name="matmul_4bit_gemv",
-    )(x.reshape(m, u, c, 2), packed.reshape(n, u, c), absmax, code, *nested_ops)
+    )(x.reshape(m, u, c, 2), packed.reshape(n, u, c), absmax, table, *nested_ops)
     y = partial[0] if splits == 1 else jnp.sum(partial, axis=0)
     return y.astype(out_dtype)
 
@@ -212,6 +237,18 @@ VARIANTS = (
                     "instructions per weight against about 10 for splitk_small_m); the weight is "
                     "not rounded to x's dtype. Grid (N tiles, K splits). De-nests "
                     "double-quantized scales in-kernel (nested=). Default at M <= 2.",
+        accepts_nested=True,
+    ),
+    Variant(
+        name="gemv_block_scaled_prmt",
+        op="matmul_4bit",
+        fn=functools.partial(matmul_4bit_gemv, lookup="prmt"),
+        reference=matmul_4bit_rounded_codes_reference,
+        supports=supports_gemv,
+        description="gemv_block_scaled with the code table rounded to x's dtype and looked up "
+                    "by byte permutes in registers (nibble_lookup: 3.25 instructions per "
+                    "weight, no load) instead of an fp32 table gather; effective weight "
+                    "round(code) * absmax.",
         accepts_nested=True,
     ),
 )

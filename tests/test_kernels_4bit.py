@@ -9,6 +9,8 @@ Dequantization must be bit-exact.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,8 @@ from pallas_kernels.dequantize_4bit import (
 from pallas_kernels.matmul_4bit import matmul_4bit, matmul_4bit_dequant_dot, matmul_4bit_reference
 from pallas_kernels.matmul_4bit_block_dot import (
     matmul_4bit_block_dot, matmul_4bit_block_dot_reference, split_code_table)
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv, matmul_4bit_gemv_reference
+from pallas_kernels.matmul_4bit_gemv import (
+    matmul_4bit_gemv, matmul_4bit_gemv_reference, matmul_4bit_rounded_codes_reference)
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m, matmul_4bit_small_m_reference
 from pallas_kernels.matmul_4bit_t import (
     matmul_4bit_t, matmul_4bit_t_dequant_dot, matmul_4bit_t_reference)
@@ -508,6 +511,89 @@ def test_dequant_dot_t():
 
 
 # ------------------------------------------------------------------------------------------
+# in-register code lookup (lookup="prmt", pallas_kernels.nibble_lookup): the same code tiles as
+# the gather, so the same products bit for bit
+# ------------------------------------------------------------------------------------------
+def assert_same_products(got, want, scale, what):
+    """Bit for bit where the kernels are compiled (both sides run the same fused multiply-adds
+    and dots on the same code values); interpreted, XLA's CPU fusion may contract a multiply
+    and an add differently in the two graphs, so 4 fp32 ulps of the product scale there."""
+    if not INTERPRET:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=what)
+    else:
+        err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+        assert np.all(err <= 4 * 2.0**-24 * scale), (what, float(np.max(err / scale)))
+
+
+def round_codes(table, dtype):
+    """The code table rounded to dtype, held as fp32 (what the gather path then loads)."""
+    return jnp.asarray(jnp.asarray(table).astype(dtype), jnp.float32)
+
+
+@pytest.mark.parametrize("m,n,k,bs,dt,table,kw", [
+    (1, 72, 192, 64, "bf16", "nf4", {}),
+    (4, 40, 512, 32, "f16", "fp4", dict(block_k=64, splits=2, block_n=16)),  # splits, ragged N
+    (2, 40, 2048, 512, "bf16", "nf4", dict(block_k=128)),  # 4 tiles per scale block
+    (3, 24, 256, 128, "f32", "fp4", {}),  # fp32 x: no 16-bit table, gathers
+])
+def test_gemv_prmt_lookup(m, n, k, bs, dt, table, kw):
+    """= the gather kernel on the pre-rounded table, bit for bit, and = its oracle."""
+    dtype = DTYPES[dt]
+    packed, absmax = make_weight(51, n, k, bs)
+    x = make_x(52, (m, k), dtype)
+    run = functools.partial(matmul_4bit_gemv, x, packed, absmax, blocksize=bs,
+                            interpret=INTERPRET, out_dtype=jnp.float32, **kw)
+    got = run(jnp.asarray(TABLES[table]), lookup="prmt")
+    want = run(round_codes(TABLES[table], dtype))
+    assert_same_products(got, want, scale_fwd(x, dequantize_4bit_reference(
+        packed, absmax, jnp.asarray(TABLES[table]), blocksize=bs, out_dtype=dtype)), "gemv prmt")
+    check_forward(matmul_4bit_gemv, m, n, k, bs, dtype, table, lookup="prmt", **kw,
+                  reference=matmul_4bit_rounded_codes_reference)
+
+
+@pytest.mark.parametrize("m,n,k,bs,dt,table,kw", [
+    (16, 40, 512, 64, "bf16", "nf4", {}),
+    (9, 150, 256, 32, "f16", "fp4", {}),  # two N tiles, ragged
+    (5, 40, 2048, 512, "bf16", "nf4", dict(block_k=128, block_n=16, num_warps=4)),
+    (12, 33, 512, 32, "f16", "fp4", dict(block_k=64, splits=2, block_n=32)),
+    (7, 24, 256, 128, "f32", "nf4", {}),  # fp32 x: no 16-bit table, gathers
+])
+def test_block_scaled_dot_prmt_lookup(m, n, k, bs, dt, table, kw):
+    """= the rounded-code gather kernel bit for bit (the same code tiles), and = its oracle."""
+    dtype = DTYPES[dt]
+    packed, absmax = make_weight(53, n, k, bs)
+    x = make_x(54, (m, k), dtype)
+    run = functools.partial(matmul_4bit_block_dot, x, packed, absmax, jnp.asarray(TABLES[table]),
+                            blocksize=bs, interpret=INTERPRET, out_dtype=jnp.float32,
+                            exact_codes=False, **kw)
+    assert_same_products(run(lookup="prmt"), run(), scale_fwd(x, dequantize_4bit_reference(
+        packed, absmax, jnp.asarray(TABLES[table]), blocksize=bs, out_dtype=dtype)),
+        "block-dot prmt")
+    check_forward(matmul_4bit_block_dot, m, n, k, bs, dtype, table, lookup="prmt",
+                  exact_codes=False, **kw, reference=matmul_4bit_rounded_codes_reference)
+
+
+@pytest.mark.parametrize("fn", [functools.partial(matmul_4bit_gemv, lookup="prmt"),
+                                functools.partial(matmul_4bit_block_dot, lookup="prmt",
+                                                  exact_codes=False)], ids=["gemv", "block_dot"])
+def test_prmt_lookup_nested_scales(fn):
+    fn.__name__ = "prmt " + fn.func.__name__
+    check_nested(fn, matmul_4bit_rounded_codes_reference, 3, 72, 768, 64, jnp.bfloat16, "nf4")
+
+
+def test_prmt_lookup_bad_arguments():
+    packed, absmax = make_weight(55, 16, 128, 64)
+    x = make_x(56, (2, 128), jnp.bfloat16)
+    code = jnp.asarray(NF4)
+    for fn in (matmul_4bit_gemv, functools.partial(matmul_4bit_block_dot, exact_codes=False)):
+        with pytest.raises(ValueError, match="lookup must be 'gather' or 'prmt'"):
+            fn(x, packed, absmax, code, blocksize=64, lookup="shared", interpret=True)
+    with pytest.raises(ValueError, match="needs exact_codes=False"):
+        matmul_4bit_block_dot(x, packed, absmax, code, blocksize=64, lookup="prmt",
+                              interpret=True)
+
+
+# ------------------------------------------------------------------------------------------
 # property test over random shapes, every variant
 # ------------------------------------------------------------------------------------------
 @settings(max_examples=8, deadline=None)
@@ -560,11 +646,13 @@ def test_variants_registered():
         assert not v.supports(1, 64, 32, 16)       # blocksize below 32
     assert by_name["splitk_small_m"].supports(64, 64, 128, 64)
     assert {v.name for v in MY_VARIANTS if v.accepts_nested} == {
-        "splitk_small_m", "gemv_block_scaled", "block_scaled_dot", "block_scaled_dot_rounded_codes"}
+        "splitk_small_m", "gemv_block_scaled", "gemv_block_scaled_prmt", "block_scaled_dot",
+        "block_scaled_dot_rounded_codes", "block_scaled_dot_prmt"}
     assert not by_name["splitk_small_m"].supports(65, 64, 128, 64)
     assert by_name["gemv_block_scaled"].supports(4, 64, 128, 64)
     assert not by_name["gemv_block_scaled"].supports(5, 64, 128, 64)
-    for name in ("block_scaled_dot", "block_scaled_dot_rounded_codes"):
+    assert not by_name["gemv_block_scaled_prmt"].supports(5, 64, 128, 64)
+    for name in ("block_scaled_dot", "block_scaled_dot_rounded_codes", "block_scaled_dot_prmt"):
         assert by_name[name].supports(16, 64, 128, 64)
         assert not by_name[name].supports(17, 64, 128, 64)
 
@@ -679,6 +767,14 @@ def test_kernels_lower_for_triton(lower_for_triton):
             lambda x, p, a, c: matmul_4bit_block_dot(x, p, a, c, blocksize=64, exact_codes=False,
                                                      nested=nested_ops(64)),
             (x3, *weight(64, nested=True))),
+        "gemv_block_scaled prmt lookup, nested": (
+            lambda x, p, a, c: matmul_4bit_gemv(x, p, a, c, blocksize=64, lookup="prmt",
+                                                nested=nested_ops(64)),
+            (x1, *weight(64, nested=True))),
+        "block_scaled_dot prmt lookup": (
+            lambda x, p, a, c: matmul_4bit_block_dot(x, p, a, c, blocksize=64, exact_codes=False,
+                                                     lookup="prmt"),
+            (x16, *weight(64))),
         "block_scaled_dot fp32, tile < block": (
             lambda x, p, a, c: matmul_4bit_block_dot(x, p, a, c, blocksize=512, block_k=128,
                                                      block_n=16, num_warps=4),
