@@ -7,7 +7,8 @@ pallas_kernels/nibble_lookup.py) in the small-M kernels, against the bf16 GEMM, 
 M = 1, 2: the GEMV (fp32 gather, and prmt on the bf16-rounded table); M = 3, 4: the split-K
 kernel (the `auto` choice at M = 3 before prmt); M = 1..16: the block-scaled tensor-core kernel
 with rounded codes (gather, prmt, and prmt at other tile configs, since a cheaper decode may
-move the best tile; "one tile" = one K tile per program). Each line also records the largest
+move the best tile); M > 16 (up to the kernel's 128):
+the block-scaled dot against dequant_dot, the `auto` choice there. Each line also records the largest
 difference between the prmt and gather outputs on one product (0 expected for the block-scaled
 dot: the same code tiles). NF4 blocksize 64 with double quant, de-nested in-kernel; device
 time per product, weight streamed from HBM, distinct x per product (benchmarks/timing.py).
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from benchmarks.block_dot_sweep import SHAPES_KN, _runner
 from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
 from benchmarks.timing import distinct_copies, us_per_product
+from pallas_kernels.matmul_4bit import matmul_4bit_dequant_dot
 from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv
 from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
@@ -35,15 +37,17 @@ _ROUNDED = dict(exact_codes=False)
 _PRMT = dict(_ROUNDED, lookup="prmt")
 GEMV = {"gemv gather": dict(), "gemv prmt": dict(lookup="prmt")}
 BLOCK_DOT = {"block_dot gather": dict(_ROUNDED), "block_dot prmt": dict(_PRMT)}
-# s8-1 (H200): bk1024 and 4 warps at block_n 128 were slower than the default everywhere;
-# block_n 64 with 4 warps was faster at 4096x4096 (one K tile per program there) and 2.6-3.2x
-# bf16 at the 14336 shapes (a K loop of 2 tiles per program): so its one-tile form here.
+# History (H200): s8-1 had block_k 1024 and 4 warps at block_n 128: slower than 128x512 with
+# 8 warps everywhere; block_n 64 with 4 warps was faster at 4096x4096 (one K tile per program
+# there) and 2.6-3.2x bf16 at the 14336 shapes (a K loop of 2 tiles per program). s8-2, s8-4:
+# its one-tile form beat 128x512 / 8 warps at M = 16 and 64, so it became PRMT_CONFIG (the
+# "block_dot prmt" row since); s8-4 also had the table words or'ed with `%laneid >> 5` to keep
+# them out of uniform registers: the same instruction count and time, dropped.
 
 
 def _extra_block_dot(k: int) -> dict:
-    return {"block_dot prmt bn64 w4 one tile": dict(_PRMT, block_n=64, num_warps=4,
-                                                    splits=k // 512),
-            "block_dot prmt bn128 w4 one tile": dict(_PRMT, num_warps=4, splits=k // 512)}
+    del k
+    return {"block_dot prmt bn128 w8": dict(_PRMT, block_n=128, num_warps=8)}
 
 
 def _max_diff(kernel, a_kw, b_kw, x, q):
@@ -73,8 +77,11 @@ def main():
             jobs += [(matmul_4bit_gemv, name, kw) for name, kw in GEMV.items()]
         if m in (3, 4):
             jobs.append((matmul_4bit_small_m, "splitk_small_m", {}))
-        for kernel, name, kw in jobs:
-            res[name] = us_per_product(_runner(kernel, kw), (xs, qs), copies)
+        if m > 16:  # beyond the block-scaled dot's registered range: against dequant + GEMM
+            jobs.append((matmul_4bit_dequant_dot, "dequant_dot", {}))
+        for kernel, name, kw in jobs:  # dequant_dot takes fp32 scales (de-nested by XLA)
+            run = _runner(kernel, kw, nested_in_kernel=kernel is not matmul_4bit_dequant_dot)
+            res[name] = us_per_product(run, (xs, qs), copies)
         res["max_diff"] = {"block_dot": _max_diff(matmul_4bit_block_dot, BLOCK_DOT["block_dot gather"],
                                                   BLOCK_DOT["block_dot prmt"], x, qs[0])}
         if m <= 2:

@@ -6,7 +6,8 @@
 Modes: q (NF4 qmatmul), int8, dense, gemv (the block-scaled GEMV kernel on double-quantized
 NF4, nested in-kernel): `... profile_small_m gemv 1 4096 14336 block_n=32 block_k=512`, and
 block_dot (the block-scaled tensor-core kernel, rounded codes, the same way; `exact_codes=1` for
-the exact table): `... profile_small_m block_dot 16 4096 14336`.
+the exact table, `lookup=prmt` for the in-register lookup): `... profile_small_m block_dot 16
+4096 14336`.
 
 Without preallocation off, ncu cannot save and restore device memory for kernel replay.
 """
@@ -25,7 +26,8 @@ def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
     mode, m = args[0], int(args[1])
     k, n = (int(args[2]), int(args[3])) if len(args) > 3 else (4096, 14336)
-    cfg = {key: int(v) for key, v in (a.split("=") for a in args[4:])}
+    cfg = {key: int(v) if v.lstrip("-").isdigit() else v
+           for key, v in (a.split("=") for a in args[4:])}
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.standard_normal((m, k), np.float32).astype(jnp.bfloat16))
     if mode in ("q", "int8"):

@@ -1,10 +1,10 @@
-"""4-bit matmul for M <= 16 on tensor cores, scaled per block: y = x @ dequant(W).T.
+"""4-bit matmul for small M on tensor cores, scaled per block: y = x @ dequant(W).T.
 
 Between the GEMV (M <= 4) and a large GEMM the product is bound by the per-weight decode, which
 the older paths pay in full: `splitk_small_m` rebuilds each weight as code * absmax in fp32
 through a 15-select tree and rounds it (ALU 77% busy at M = 16, ncu), and `dequant_dot` writes
 a dense bf16 weight (2 bytes per weight) before a GEMM. This kernel decodes each weight with one
-table load and no multiply, and moves the scale out of the inner product as the GEMV does:
+table lookup and no multiply, and moves the scale out of the inner product as the GEMV does:
 
     y[m, n] = sum_b absmax[n, b] * sum_{k in block b} x[m, k] * code[q[n, k]]
 
@@ -26,6 +26,14 @@ Two code tables, two registered variants:
   H200 (session 6, s6-3, M = 16): 1.42 / 1.42 / 1.65x the bf16 GEMM time at 4096x4096 / 4096x14336 /
   14336x4096 against 1.93 / 2.16 / 2.44x exact and dequant_dot's 1.86 / 2.43 / 2.51x. At
   M = 64 and 128 both variants were slower than dequant_dot, hence MAX_M = 16.
+- `lookup="prmt"` with rounded codes (`block_scaled_dot_prmt`): the same code tiles, bit for
+  bit, found by byte permutes in registers (`nibble_lookup`) instead of a gather per weight.
+  H200 (session 8, s8-2 / s8-4): M = 16 1.21-1.24 / 1.13-1.14 / 1.33-1.34x bf16 against the
+  gather's 1.48-1.51 / 1.33-1.37 / 1.59-1.62x; with its own tile config (PRMT_CONFIG) it beats
+  dequant_dot up to M = 64, hence its PRMT_MAX_M = 64. What limits it now (ncu, M = 16): 7.3
+  instructions per weight, 3.25 of them the lookup, 1.0 copies of table words that ptxas
+  parks in uniform registers (`nibble_lookup.lookup`); 41% of issue slots busy, 43% achieved
+  occupancy (64 registers, 50% theoretical).
 
 x is viewed as (M, K / 2c, c, 2) and the packed weight as (N, K / 2c, c) (free reshapes); x's
 even/odd columns (high/low nibbles) are split in registers. Grid (N tiles, K splits) as in the
@@ -51,16 +59,27 @@ from pallas_kernels.matmul_4bit_gemv import (
     matmul_4bit_gemv_reference, matmul_4bit_rounded_codes_reference)
 from pallas_kernels.registry import Variant
 
-MAX_M = 16
+MAX_M = 16  # where the registry and `auto` use it (measured); the kernel computes up to:
+KERNEL_MAX_M = 128
 # H200 sweep at M = 16 (benchmarks/block_dot_sweep.py, session 6, s6-1): block_n 128, block_k
 # 512, 8 warps and ~1024 programs were best or within 2% on both measured shapes; block_n 32 was
 # 2-4x slower; block_k 1024 10-62% slower (s6-3, s6-4).
 DEFAULT_CONFIG = (128, 512, 8)  # (block_n, block_k, num_warps)
+# lookup="prmt" (H200, s8-2 and s8-4, results/..._lookup_probe_s8_*.json): 64-row tiles, 4 warps
+# and one K tile per program were 1-3% faster than DEFAULT_CONFIG's ~1024 programs at M = 16
+# (mixed at M = 1 and 3) and 10-21% faster at M = 64, where the kernel then beats dequant_dot
+# (1.46 / 1.92 / 1.97x bf16 against 1.70 / 2.36 / 2.34x); at M = 128 dequant_dot wins.
+PRMT_CONFIG = (64, 512, 4)
+PRMT_MAX_M = 64
 _TARGET_PROGRAMS = 1024
 
 
 def supports_block_dot(m: int, n: int, k: int, blocksize: int) -> bool:
     return m <= MAX_M and supports_4bit(m, n, k, blocksize)
+
+
+def supports_block_dot_prmt(m: int, n: int, k: int, blocksize: int) -> bool:
+    return m <= PRMT_MAX_M and supports_4bit(m, n, k, blocksize)
 
 
 def split_code_table(code, dtype, exact: bool = True):
@@ -159,11 +178,13 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
                           block_k: int | None = None, splits: int | None = None,
                           num_warps: int | None = None, num_stages: int = 3, nested=None,
                           exact_codes: bool = True, lookup: str = "gather"):
-    """y (M, N) = x (M, K) @ dequant(W).T for M <= 16: tensor-core dots per scale block.
+    """y (M, N) = x (M, K) @ dequant(W).T for M <= 128: tensor-core dots per scale block
+    (registered for M <= 16, M <= 64 with lookup="prmt": where it was measured faster).
 
     block_n weight rows (a power of two >= 16) and block_k weight columns (two per byte; a power
     of two) per tile; `splits` K splits (must divide the number of K tiles; default: about
-    `_TARGET_PROGRAMS` programs). nested = (nested_absmax, nested_code, offset) with `absmax`
+    `_TARGET_PROGRAMS` programs, or one K tile per program with lookup="prmt"). Unset tile
+    sizes come from DEFAULT_CONFIG, or PRMT_CONFIG with lookup="prmt". nested = (nested_absmax, nested_code, offset) with `absmax`
     the uint8 (N, K//bs) codes of double-quantized scales: de-nested in-kernel.
     exact_codes=False: one code table rounded to x's dtype, one dot per nibble half instead of
     two (module doc: numerics and measured speed).
@@ -175,8 +196,8 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
     n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
     check_x(x, k, what=what)
     m = x.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"{what}: M={m} > {MAX_M}; use matmul_4bit_dequant_dot (measured faster)")
+    if m > KERNEL_MAX_M:
+        raise ValueError(f"{what}: M={m} > {KERNEL_MAX_M}; use matmul_4bit_dequant_dot")
     if lookup not in ("gather", "prmt"):
         raise ValueError(f"{what}: lookup must be 'gather' or 'prmt', got {lookup!r}")
     if lookup == "prmt" and exact_codes:
@@ -184,7 +205,7 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    bn, bk, nw = DEFAULT_CONFIG
+    bn, bk, nw = PRMT_CONFIG if lookup == "prmt" else DEFAULT_CONFIG
     bn, bk, num_warps = block_n or bn, block_k or bk, num_warps or nw
     if not (_compat.is_pow2(bn) and bn >= 16 and _compat.is_pow2(bk) and bk >= 32):
         raise ValueError(f"{what}: block_n must be a power of two >= 16 and block_k one >= 32, "
@@ -192,7 +213,7 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
     c, gc, per_block, u, nk = scale_block_chunks(k, blocksize, bk)  # c >= 16: blocksize >= 32
     n_tiles = cdiv(n, bn)
     if splits is None:
-        splits = default_splits(n_tiles, nk)
+        splits = nk if lookup == "prmt" else default_splits(n_tiles, nk)
     elif splits < 1 or nk % splits != 0:
         raise ValueError(f"{what}: splits={splits} must divide the {nk} K tiles")
     mp = max(16, _compat.next_pow2(m))
@@ -271,10 +292,12 @@ VARIANTS = (
         op="matmul_4bit",
         fn=functools.partial(matmul_4bit_block_dot, exact_codes=False, lookup="prmt"),
         reference=functools.partial(matmul_4bit_block_dot_reference, exact_codes=False),
-        supports=supports_block_dot,
+        supports=supports_block_dot_prmt,
         description="block_scaled_dot_rounded_codes with the codes looked up by byte permutes "
                     "in registers (nibble_lookup: 3.25 instructions per weight, no load) "
-                    "instead of a table gather; bitwise the same code tiles.",
+                    "instead of a table gather; bitwise the same code tiles; 64-row tiles, "
+                    "4 warps, one K tile per program. H200 M = 16: 1.21-1.34x bf16 against "
+                    "1.37-1.62x with the gather. Default at 3 <= M <= 64.",
         accepts_nested=True,
     ),
 )

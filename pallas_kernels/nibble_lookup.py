@@ -14,6 +14,10 @@ on each index's bit 3 merges the two. Two more prmt interleave the low and high 
 two words of 16-bit pairs. One 32-bit word of packed weights (4 bytes, 8 nibbles) costs 26
 instructions: 3.25 per weight, with no load.
 
+Measured (H200, session 8): in the block-scaled tensor-core kernel at M = 16, 15-20% less time
+and bitwise the same output as the gather; in the GEMV no change (its fp32 multiply-add per
+weight needs the code widened to fp32, and the GEMV was not bound by the gather alone).
+
 The program is written once (`_PROGRAMS`, one per nibble half) and turned into PTX (`_ptx`,
 for `plgpu.elementwise_inline_asm` with pack = 4: four uint8 elements per 32-bit register) and
 into a jnp emulation (`emulate_words`, the same instructions on uint32 arrays). CPU tests run the
@@ -203,16 +207,22 @@ def lookup(p, words, dtype, half: str, *, interpret: bool):
     """code[p >> 4] (half "hi") or code[p & 15] ("lo") in dtype for a uint8 tile p, with `words`
     the 8 uint32 scalars of `table_words` (read from a ref inside the kernel). GPU: inline PTX;
     interpret mode: `emulate_lookup`. One half per call, so a kernel can use each tile before
-    making the next (a tensor-core operand tile lives in shared memory)."""
+    making the next (a tensor-core operand tile lives in shared memory).
+
+    Measured limit (ncu, H200, s8-2): ptxas keeps 4 of the 8 table words in uniform registers
+    and copies each back with an IMAD.U32 before every prmt that reads it as its first source
+    (prmt takes that one only from a regular register): about 1 instruction per weight. Making
+    the words look per-thread (or'ing in `%laneid >> 5`, s8-4) changed nothing: the same SASS
+    instruction count, so ptxas folds it."""
     if p.dtype != jnp.uint8:
         raise ValueError(f"nibble_lookup.lookup: packed tile must be uint8, got {p.dtype}")
     if half not in _HALVES:
         raise ValueError(f"nibble_lookup.lookup: half must be 'hi' or 'lo', got {half!r}")
     if interpret:
         return emulate_lookup(p, jnp.stack(words), dtype, half)
-    args = [p] + [jnp.broadcast_to(w, p.shape) for w in words]
+    tiles = [jnp.broadcast_to(w, p.shape) for w in words]
     constraints = ",".join(["=r"] * 2 + ["r"] * (N_OPERANDS - 2))
     (out,) = plgpu.elementwise_inline_asm(
-        _ptx(half), args=args, constraints=constraints, pack=4,
+        _ptx(half), args=[p, *tiles], constraints=constraints, pack=4,
         result_shape_dtypes=[jax.ShapeDtypeStruct(p.shape, dtype)])
     return out

@@ -557,6 +557,7 @@ def test_gemv_prmt_lookup(m, n, k, bs, dt, table, kw):
     (5, 40, 2048, 512, "bf16", "nf4", dict(block_k=128, block_n=16, num_warps=4)),
     (12, 33, 512, 32, "f16", "fp4", dict(block_k=64, splits=2, block_n=32)),
     (7, 24, 256, 128, "f32", "nf4", {}),  # fp32 x: no 16-bit table, gathers
+    (40, 72, 256, 64, "bf16", "nf4", {}),  # beyond the registered M <= 16 (x padded to 64)
 ])
 def test_block_scaled_dot_prmt_lookup(m, n, k, bs, dt, table, kw):
     """= the rounded-code gather kernel bit for bit (the same code tiles), and = its oracle."""
@@ -652,9 +653,11 @@ def test_variants_registered():
     assert by_name["gemv_block_scaled"].supports(4, 64, 128, 64)
     assert not by_name["gemv_block_scaled"].supports(5, 64, 128, 64)
     assert not by_name["gemv_block_scaled_prmt"].supports(5, 64, 128, 64)
-    for name in ("block_scaled_dot", "block_scaled_dot_rounded_codes", "block_scaled_dot_prmt"):
+    for name in ("block_scaled_dot", "block_scaled_dot_rounded_codes"):
         assert by_name[name].supports(16, 64, 128, 64)
         assert not by_name[name].supports(17, 64, 128, 64)
+    assert by_name["block_scaled_dot_prmt"].supports(64, 64, 128, 64)
+    assert not by_name["block_scaled_dot_prmt"].supports(65, 64, 128, 64)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -685,8 +688,8 @@ def test_bad_inputs_raise_clear_errors():
                          interpret=True)
     with pytest.raises(ValueError, match="powers of two"):
         matmul_4bit_gemv(x, packed, absmax, code, blocksize=64, block_n=24, interpret=True)
-    with pytest.raises(ValueError, match="M=17"):
-        matmul_4bit_block_dot(make_x(0, (17, 128), jnp.float32), packed, absmax, code,
+    with pytest.raises(ValueError, match="M=129"):
+        matmul_4bit_block_dot(make_x(0, (129, 128), jnp.float32), packed, absmax, code,
                               blocksize=64, interpret=True)
     with pytest.raises(ValueError, match="splits=3"):
         matmul_4bit_block_dot(x, packed, absmax, code, blocksize=64, block_k=64, splits=3,

@@ -17,24 +17,21 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
 SMALL_M = 64  # INT8: at or below this many rows the split-K kernel streams CB once
-# 4-bit, GEMV_MAX_M_4BIT < M <= this: the split-K kernel's row-wise path. Measured against its
-# neighbours in one run (H200, session 7, s7-3, results/..._m2_5_rows.json; ratios to bf16 at
-# 4096x4096 / 4096x14336 / 14336x4096): M = 3: split-K 1.45 / 1.52 / 1.58, block-scaled dot
-# (rounded codes) 1.57 / 1.36 / 1.57, GEMV 1.50 / 1.56 / 1.58: mixed, split-K kept. M = 4:
-# split-K 1.59 / 1.74 / 1.75 against the block-scaled dot's 1.56 / 1.41 / 1.60, so M = 4 moved
-# to the block-scaled dot.
-SMALL_M_4BIT = 3
 # 4-bit, at or below this many rows: the block-scaled GEMV (H200, session 5, same run: M = 1
 # 0.86-0.88x bf16 against the split-K kernel's 1.11-1.17x; M = 2 1.21-1.26x against 1.27-1.36x;
 # s7-3 again at M = 2: 1.24 / 1.28 / 1.30 against 1.32 / 1.36 / 1.40).
 GEMV_MAX_M_4BIT = 2
-# 4-bit, SMALL_M_4BIT < M <= this: the block-scaled tensor-core kernel with the code table
-# rounded to x's dtype (H200, session 6, full run s6-5, M = 16: 1.54 / 1.39 / 1.62x bf16 at
-# 4096x4096 / 4096x14336 / 14336x4096 against dequant_dot's 2.00 / 2.41 / 2.46x). Its effective
-# weight is round(code) * absmax where bitsandbytes (and dequant_dot) use round(code * absmax):
-# the same error bound, another rounding point. At M = 64 and 128 it was slower than dequant_dot
-# (s6-1, s6-3); 17..63 untimed.
-BLOCK_DOT_MAX_M_4BIT = 16
+# 4-bit, GEMV_MAX_M_4BIT < M <= this: the block-scaled tensor-core kernel with the code table
+# rounded to x's dtype and looked up in registers (block_scaled_dot_prmt). H200, session 8
+# (results/..._lookup_probe_s8_2.json, _s8_4.json; ratios to bf16 at 4096x4096 / 4096x14336 /
+# 14336x4096): M = 3 1.26-1.31 / 1.07-1.08 / 1.28-1.31 against split-K's 1.39 / 1.48 / 1.55 (the
+# previous choice at M = 3); M = 16 1.21-1.24 / 1.07-1.13 / 1.30-1.33 against the table-gather
+# form's 1.48-1.51 / 1.33-1.37 / 1.59-1.62 (the previous choice at 4..16); M = 64 1.46-1.48 /
+# 1.92-1.94 / 1.97 against dequant_dot's 1.70 / 2.36 / 2.34. At M = 128 dequant_dot wins (1.80 /
+# 2.52 / 2.24 against 2.18 / 3.60 / 3.30). Effective weight round(code) * absmax where
+# bitsandbytes (and dequant_dot) use round(code * absmax): the same error bound, another
+# rounding point. M = 17..63 untimed (between two measured wins).
+BLOCK_DOT_MAX_M_4BIT = 64
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
@@ -45,9 +42,8 @@ BLOCK_DOT_MAX_M_4BIT = 16
 # qmatmul forward+backward with fused_tiled_t at M <= 16 at 2.4-7.2x. dequant_dot_t itself was
 # not timed at small M in that run (benchmarks/results/README.md).
 DEFAULT_4BIT_FWD_LARGE = "dequant_dot"
-DEFAULT_4BIT_FWD_SMALL = "splitk_small_m"
 DEFAULT_4BIT_FWD_GEMV = "gemv_block_scaled"
-DEFAULT_4BIT_FWD_BLOCK_DOT = "block_scaled_dot_rounded_codes"
+DEFAULT_4BIT_FWD_BLOCK_DOT = "block_scaled_dot_prmt"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
 # INT8 (H200, 2026-11-21, benchmarks/results README, session 4): at M <= 16 the split-K kernel
@@ -97,8 +93,6 @@ def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
     if isinstance(q, Weight4bit):
         if m <= GEMV_MAX_M_4BIT:
             return DEFAULT_4BIT_FWD_GEMV, DEFAULT_4BIT_BWD_SMALL
-        if m <= SMALL_M_4BIT:
-            return DEFAULT_4BIT_FWD_SMALL, DEFAULT_4BIT_BWD_SMALL
         if m <= BLOCK_DOT_MAX_M_4BIT:
             return DEFAULT_4BIT_FWD_BLOCK_DOT, DEFAULT_4BIT_BWD_SMALL
         return DEFAULT_4BIT_FWD_LARGE, DEFAULT_4BIT_BWD_LARGE
