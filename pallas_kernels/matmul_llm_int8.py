@@ -18,8 +18,17 @@ bitsandbytes 0.50.2, default/CPU ops (`backends/default/ops.py`):
 5. threshold > 0 and any outliers (`int8_mixed_scaled_mm`):
    out = out.addmm(subA, subB), subA = x[:, cols] in x's own dtype (not fp16),
    subB = ((CB[:, cols] * SCB) * f32(1/127)).astype(x.dtype).T  (int8-dequantized weight).
-   Here the column set is a mask: x is zeroed outside the outlier columns, so the 16-bit product
-   is x_masked @ subB_full.T (jit-compatible, no gather); exactly zero contributions elsewhere.
+   The reference (XLA) gathers too, into cap = `outlier_capacity` slots (default min(K, 256)) so
+   shapes stay static: `jnp.nonzero(cols, size=cap)` gives cap column indices (ascending, padded
+   with column 0), x[:, idx] with the padding slots zeroed and CB[:, idx] dequantized as above,
+   one (M, cap) x (cap, N) fp32 product; padding slots add exact zeros. If cap < K, a `lax.cond`
+   falls back to the dense masked product x_masked @ subB_full.T (x zeroed outside the outlier
+   columns, the whole weight dequantized) when the layer has more than cap outlier columns:
+   always correct, only slower. Both sum the same nonzero terms; fp32 summation order may differ
+   (a few fp32 ulps of the outlier product). On GPU, XLA's conditional (ConditionalThunk, outside
+   command buffers) copies its predicate to the host and waits for it, a stream sync per call
+   that device time hides.
+   The Pallas kernel keeps the dense mask (see below).
    The addition is done as one fp32 add of the rounded int8 part and the fp32 outlier product,
    then one rounding to x.dtype.
 The result is finally cast to `out_dtype` (bnb returns x.dtype).
@@ -158,15 +167,71 @@ def _finish(main_f32, outlier_f32, x_dtype, out_dtype, fp16_first, fence=lambda 
 
 
 # ----------------------------------------------------------------------------- reference
+# Default gather capacity: LLM.int8() outliers sit in few, systematic feature dimensions
+# (Dettmers et al. 2022 find those of a 6.7B model in about 6 hidden dimensions). bnb's criterion
+# (any |x| >= threshold in any row of the batch) also counts sporadic ones, hence the margin; 256
+# slots keep the gathered product small (at K = 4096, 1/16 of the dense one). A layer with more
+# outlier columns takes the dense fallback, correct and only slower.
+_DEFAULT_OUTLIER_CAPACITY = 256
+
+
+def _outlier_capacity(k: int, outlier_capacity) -> int:
+    """Static slot count for the gathered outlier product (clamped to K: more slots than columns
+    can never be filled)."""
+    if outlier_capacity is None:
+        return min(k, _DEFAULT_OUTLIER_CAPACITY)
+    if isinstance(outlier_capacity, bool) or not isinstance(outlier_capacity, (int, np.integer)):
+        raise ValueError(
+            f"llm_int8_matmul_reference: outlier_capacity must be an int >= 1 or None, got "
+            f"{outlier_capacity!r}")
+    if outlier_capacity < 1:
+        raise ValueError(
+            f"llm_int8_matmul_reference: outlier_capacity must be >= 1, got {outlier_capacity}")
+    return min(k, int(outlier_capacity))
+
+
+def _outlier_weight(cb, scb, dtype):
+    # fenced: at M = 1 XLA GPU fuses the weight into a reduction and skips its rounding to
+    # x.dtype (seen on an H200); bitsandbytes multiplies by the x.dtype weight
+    return lax.optimization_barrier(dequantize_int8_vectorwise_reference(cb, scb, dtype))
+
+
+def _outlier_product_dense(x, cols, cb, scb):
+    """x (zeroed outside the outlier columns) @ the whole dequantized weight.T, fp32 (M, N)."""
+    xo = jnp.where(cols[None, :], x, jnp.zeros((), x.dtype))
+    return lax.dot_general(xo, _outlier_weight(cb, scb, x.dtype), _NT,
+                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _outlier_product_gathered(x, cols, cb, scb, cap):
+    """x[:, idx] @ dequant(CB[:, idx]).T over the first `cap` outlier columns, fp32 (M, N).
+    Exact only when the layer has <= cap outlier columns (the caller checks)."""
+    idx = jnp.nonzero(cols, size=cap, fill_value=0)[0]
+    live = jnp.arange(cap) < jnp.sum(cols, dtype=jnp.int32)  # padding slots point at column 0
+    # idx is in range by construction: "clip" skips the out-of-bounds masking of "fill".
+    # Fenced: unfenced, XLA:CPU (jax 0.10.2) lays the gather out transposed and hands the
+    # bf16 x bf16 -> f32 dot to a DotThunk that rejects it (UNIMPLEMENTED at run time).
+    xg = jnp.where(live[None, :], jnp.take(x, idx, axis=1, mode="clip"), jnp.zeros((), x.dtype))
+    xg = lax.optimization_barrier(xg)
+    wg = _outlier_weight(jnp.take(cb, idx, axis=1, mode="clip"), scb, x.dtype)
+    return lax.dot_general(xg, wg, _NT, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
 @functools.partial(
     jax.jit, static_argnames=("threshold", "out_dtype", "interpret", "dequant_constant",
-                              "fp16_first"))
+                              "fp16_first", "outlier_capacity"))
 def llm_int8_matmul_reference(x, cb, scb, *, threshold=0.0, out_dtype=None, interpret=False,
                               bias=None, dequant_constant=CPU_DEQUANT_CONSTANT,
-                              fp16_first=False):
-    """jnp oracle for `llm_int8_matmul` (same numerics, XLA int8 dot)."""
+                              fp16_first=False, outlier_capacity=None):
+    """jnp oracle for `llm_int8_matmul` (same numerics, XLA int8 dot).
+
+    outlier_capacity: static slot count of the gathered 16-bit outlier product (threshold > 0);
+    None = min(K, 256). More outlier columns than that fall back to the dense masked product
+    (module docstring, step 5)."""
     del interpret
     _check_inputs("llm_int8_matmul_reference", x, cb, scb)
+    cap = _outlier_capacity(x.shape[1], outlier_capacity)
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     ca, sca, cols = quantize_activations_llm_int8(x, threshold)
     acc = lax.dot_general(ca, cb, _NT, preferred_element_type=jnp.int32)
@@ -174,12 +239,12 @@ def llm_int8_matmul_reference(x, cb, scb, *, threshold=0.0, out_dtype=None, inte
     main = main * jnp.float32(dequant_constant) + _prepare_bias(bias, x.dtype, cb.shape[0])[None]
     outl = None
     if threshold > 0.0:
-        xo = jnp.where(cols[None, :], x, jnp.zeros((), x.dtype))
-        # fenced: at M = 1 XLA GPU fuses the weight into a reduction and skips its rounding to
-        # x.dtype (seen on an H200); bitsandbytes multiplies by the x.dtype weight
-        w = lax.optimization_barrier(dequantize_int8_vectorwise_reference(cb, scb, x.dtype))
-        outl = lax.dot_general(xo, w, _NT, precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
+        gathered = functools.partial(_outlier_product_gathered, cap=cap)
+        if cap >= x.shape[1]:  # every column fits: no fallback needed
+            outl = gathered(x, cols, cb, scb)
+        else:
+            outl = lax.cond(jnp.sum(cols, dtype=jnp.int32) <= cap, gathered,
+                            _outlier_product_dense, x, cols, cb, scb)
     return _finish(main, outl, x.dtype, out_dtype, fp16_first, fence=lax.optimization_barrier)
 
 

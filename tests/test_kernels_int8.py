@@ -20,6 +20,7 @@ Tolerances (elementwise, |got - want| <= bound):
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax import lax
 
 from pallas_kernels import matmul_int8 as mi
 from pallas_kernels import matmul_int8_gemv as mg
@@ -187,7 +189,8 @@ def _llm_int8_numpy(x, cb, scb, threshold, c, bias=None):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("m", [1, 17])
 @pytest.mark.parametrize("threshold", [0.0, 6.0])
-def test_llm_int8_reference_vs_numpy_float64(dtype, m, threshold):
+@pytest.mark.parametrize("cap", [None, 1], ids=["cap_default", "cap1"])
+def test_llm_int8_reference_vs_numpy_float64(dtype, m, threshold, cap):
     rng = np.random.default_rng(2 + m)
     cb, scb = _weight(rng, N, K)
     x = _activations(rng, m, K, dtype)
@@ -203,7 +206,7 @@ def test_llm_int8_reference_vs_numpy_float64(dtype, m, threshold):
     if threshold > 0:
         assert cols_np.size > 0
     got = ml.llm_int8_matmul_reference(x, jnp.asarray(cb), jnp.asarray(scb), threshold=threshold,
-                                       bias=jnp.asarray(bias))
+                                       bias=jnp.asarray(bias), outlier_capacity=cap)
     assert got.dtype == dtype
     # two roundings to x.dtype (int8 part, then after adding the outliers), the outlier weights
     # rounded to x.dtype, fp32 epilogue
@@ -212,6 +215,139 @@ def test_llm_int8_reference_vs_numpy_float64(dtype, m, threshold):
     bound = (2 * _ulp(want, dtype) + _eps(dtype) * (np.abs(xo) @ np.abs(_w64(cb, scb)).T)
              + 8 * EPS32 * (np.abs(xb) @ np.abs(_w64(cb, scb)).T))
     _assert_within(got, want, bound, "llm_int8_matmul_reference")
+
+
+# ----------------------------------------------------------------------------- outlier gather
+@functools.partial(jax.jit, static_argnames=("threshold", "outlier_term"))
+def _reference_with_outlier_term(x, cb, scb, threshold, outlier_term=None):
+    """`llm_int8_matmul_reference` (default constant, no bias) with the outlier term computed by
+    `outlier_term(x, cols, cb, scb)`; None = the dense masked product, written out here as the
+    reference computed it before the gather (and as its fallback branch still does)."""
+    ca, sca, cols = ml.quantize_activations_llm_int8(x, threshold)
+    acc = lax.dot_general(ca, cb, ml._NT, preferred_element_type=jnp.int32)
+    main = acc.astype(jnp.float32) * (sca[:, None] * scb.astype(jnp.float32)[None, :])
+    main = main * jnp.float32(ml.CPU_DEQUANT_CONSTANT)
+    if outlier_term is None:
+        xo = jnp.where(cols[None, :], x, jnp.zeros((), x.dtype))
+        w = lax.optimization_barrier(mi.dequantize_int8_vectorwise_reference(cb, scb, x.dtype))
+        outl = lax.dot_general(xo, w, ml._NT, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+    else:
+        outl = outlier_term(x, cols, cb, scb)
+    return ml._finish(main, outl, x.dtype, x.dtype, False, fence=lax.optimization_barrier)
+
+
+def _gather_bound(x, cols, cb, scb, want, dtype):
+    """Gathered vs dense: the same nonzero fp32 terms summed in another order (8 eps32 of the
+    outlier columns' |x| @ |W|.T), then one rounding to dtype that may land 1 ulp apart."""
+    xo = np.abs(_f64(x)) * np.asarray(cols)[None, :]
+    return _ulp(_f64(want), dtype) + 8 * EPS32 * (xo @ np.abs(_w64(cb, scb)).T)
+
+
+def _planted(rng, m, k, dtype, out_cols):
+    """Gaussian x kept below the threshold except one entry of +-[6, 10) per column of out_cols
+    (in a random row): exactly len(out_cols) outlier columns at threshold 6."""
+    x = np.clip(rng.standard_normal((m, k)) * 1.5, -5.5, 5.5)
+    for c in out_cols:
+        x[rng.integers(m), c] = rng.choice([-1.0, 1.0]) * rng.uniform(6.0, 10.0)
+    return jnp.asarray(x, dtype)
+
+
+def _check_capacity(x, cb, scb, cap, what):
+    """llm_int8_matmul_reference(outlier_capacity=cap) against the dense masked product: within
+    the reordering bound always; bitwise where the fallback branch runs on CPU (the same ops as
+    the dense copy, compiled by the same XLA:CPU; a GPU may autotune the two dots differently)."""
+    cbj, scbj = jnp.asarray(cb), jnp.asarray(scb)
+    want = _reference_with_outlier_term(x, cbj, scbj, 6.0)
+    got = ml.llm_int8_matmul_reference(x, cbj, scbj, threshold=6.0, outlier_capacity=cap)
+    cols = ml.quantize_activations_llm_int8(x, 6.0)[2]
+    assert got.dtype == x.dtype and got.shape == want.shape
+    _assert_within(got, want, _gather_bound(x, cols, cb, scb, want, x.dtype), what)
+    k = x.shape[1]
+    slots = min(k, 256) if cap is None else min(k, cap)
+    if INTERPRET and int(cols.sum()) > slots:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("m", [1, 17, 130])
+def test_llm_int8_outlier_gather_matches_dense_masked(dtype, m):
+    """Every capacity against the dense masked product: K slots (no cond), exactly `count`
+    (cond, gather branch, every slot live), count - 1 and 1 (cond, dense fallback), default."""
+    rng = np.random.default_rng(30 + m)
+    cb, scb = _weight(rng, N, K)
+    out_cols = sorted(rng.choice(K, size=12, replace=False).tolist())
+    x = _planted(rng, m, K, dtype, out_cols)
+    cols = np.asarray(ml.quantize_activations_llm_int8(x, 6.0)[2])
+    np.testing.assert_array_equal(np.nonzero(cols)[0], out_cols)  # count = 12, both branches
+    for cap in (K, 12, 11, 1, None):
+        _check_capacity(x, cb, scb, cap, f"cap={cap} M={m} {jnp.dtype(dtype).name}")
+
+
+def test_llm_int8_outlier_gather_tolerance_rejects_missing_fallback():
+    """The checks above can fail: the gather alone, truncated to fewer slots than outlier
+    columns (what a missing fallback would compute), is outside the bound; with enough slots
+    it is inside."""
+    rng = np.random.default_rng(31)
+    cb, scb = _weight(rng, N, K)
+    x = _planted(rng, 17, K, jnp.bfloat16, [3, 50, 51, 199])
+    cbj, scbj = jnp.asarray(cb), jnp.asarray(scb)
+    cols = ml.quantize_activations_llm_int8(x, 6.0)[2]
+    assert int(cols.sum()) == 4
+    want = _reference_with_outlier_term(x, cbj, scbj, 6.0)
+    bound = _gather_bound(x, cols, cb, scb, want, jnp.bfloat16)
+    for slots in (1, 3):
+        bad = _reference_with_outlier_term(
+            x, cbj, scbj, 6.0, functools.partial(ml._outlier_product_gathered, cap=slots))
+        with pytest.raises(AssertionError):
+            _assert_within(bad, want, bound, f"gather truncated to {slots} of 4 columns")
+    ok = _reference_with_outlier_term(
+        x, cbj, scbj, 6.0, functools.partial(ml._outlier_product_gathered, cap=4))
+    _assert_within(ok, want, bound, "gather with 4 slots")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("m", [1, 17])
+def test_llm_int8_no_outlier_columns_at_threshold(dtype, m):
+    """threshold 6 with no |x| >= 6: the quantization is threshold 0's, the outlier term an exact
+    zero (every gather slot is padding), so the result is threshold 0's bit for bit."""
+    rng = np.random.default_rng(32 + m)
+    cb, scb = _weight(rng, N, K)
+    x = _planted(rng, m, K, dtype, [])
+    args = (x, jnp.asarray(cb), jnp.asarray(scb))
+    assert not bool(ml.quantize_activations_llm_int8(x, 6.0)[2].any())
+    want = np.asarray(ml.llm_int8_matmul_reference(*args, threshold=0.0))
+    for cap in (None, 1, K):
+        got = ml.llm_int8_matmul_reference(*args, threshold=6.0, outlier_capacity=cap)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"cap={cap}")
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2.5, True])
+def test_llm_int8_bad_outlier_capacity(cap):
+    x = jnp.zeros((3, K), jnp.bfloat16)
+    cb, scb = jnp.zeros((N, K), jnp.int8), jnp.ones((N,), jnp.float32)
+    with pytest.raises(ValueError, match="outlier_capacity"):
+        ml.llm_int8_matmul_reference(x, cb, scb, threshold=6.0, outlier_capacity=cap)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 40), n=st.integers(1, 48), k=st.integers(1, 300),
+       n_out=st.integers(0, 24), cap_offset=st.integers(-6, 6), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_property_outlier_gather_matches_dense_masked(m, n, k, n_out, cap_offset, dtype, seed):
+    """Random shapes, outlier-column counts and capacities near the count (below it: fallback;
+    at or above it: gather; above K on small K): the reference equals the dense masked product
+    within the reordering bound."""
+    rng = np.random.default_rng(seed)
+    cb, scb = _weight(rng, n, k)
+    n_out = min(n_out, k)
+    cap = max(1, n_out + cap_offset)
+    out_cols = sorted(rng.choice(k, size=n_out, replace=False).tolist())
+    x = _planted(rng, m, k, dtype, out_cols)
+    cols = np.asarray(ml.quantize_activations_llm_int8(x, 6.0)[2])
+    np.testing.assert_array_equal(np.nonzero(cols)[0], out_cols)
+    _check_capacity(x, cb, scb, cap, f"M={m} N={n} K={k} outliers={n_out} cap={cap}")
 
 
 # ----------------------------------------------------------------------------- kernels vs references
@@ -500,6 +636,9 @@ def test_llm_int8_matches_bitsandbytes_linear8bitlt(bnb, threshold, dtype):
             "kernel": ml.llm_int8_matmul(*args, threshold=threshold, bias=bias,
                                          interpret=INTERPRET),
             "reference": ml.llm_int8_matmul_reference(*args, threshold=threshold, bias=bias),
+            # one slot: the dense fallback wherever the layer has >= 2 outlier columns
+            "reference cap=1": ml.llm_int8_matmul_reference(*args, threshold=threshold, bias=bias,
+                                                            outlier_capacity=1),
         }
         for label, y in outs.items():
             what = f"{label} vs bnb M={m} t={threshold} {jnp.dtype(dtype).name}"
