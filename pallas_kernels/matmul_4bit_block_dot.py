@@ -28,7 +28,7 @@ Two code tables, two registered variants:
   M = 64 and 128 both variants were slower than dequant_dot, hence MAX_M = 16.
 - `lookup="prmt"` with rounded codes (`block_scaled_dot_prmt`): the same code tiles, bit for
   bit, found by byte permutes in registers (`nibble_lookup`) instead of a gather per weight.
-  H200 (session 8, s8-2 / s8-4): M = 16 1.21-1.24 / 1.13-1.14 / 1.33-1.34x bf16 against the
+  H200 (session 8, s8-2 / s8-4): M = 16 1.21-1.24 / 1.07-1.13 / 1.30-1.33x bf16 against the
   gather's 1.48-1.51 / 1.33-1.37 / 1.59-1.62x; with its own tile config (PRMT_CONFIG) it beats
   dequant_dot up to M = 64, hence its PRMT_MAX_M = 64. What limits it now (ncu, M = 16): 7.3
   instructions per weight, 3.25 of them the lookup, 1.0 copies of table words that ptxas
@@ -296,8 +296,8 @@ VARIANTS = (
         description="block_scaled_dot_rounded_codes with the codes looked up by byte permutes "
                     "in registers (nibble_lookup: 3.25 instructions per weight, no load) "
                     "instead of a table gather; bitwise the same code tiles; 64-row tiles, "
-                    "4 warps, one K tile per program. H200 M = 16: 1.21-1.34x bf16 against "
-                    "1.37-1.62x with the gather. Default at 3 <= M <= 64.",
+                    "4 warps, one K tile per program. H200 M = 16: 1.07-1.33x bf16 against "
+                    "1.33-1.62x with the gather. Default at 3 <= M <= 64.",
         accepts_nested=True,
     ),
 )

@@ -24,7 +24,7 @@ GEMV_MAX_M_4BIT = 2
 # 4-bit, GEMV_MAX_M_4BIT < M <= this: the block-scaled tensor-core kernel with the code table
 # rounded to x's dtype and looked up in registers (block_scaled_dot_prmt). H200, session 8
 # (results/..._lookup_probe_s8_2.json, _s8_4.json; ratios to bf16 at 4096x4096 / 4096x14336 /
-# 14336x4096): M = 3 1.26-1.31 / 1.07-1.08 / 1.28-1.31 against split-K's 1.39 / 1.48 / 1.55 (the
+# 14336x4096): M = 3 1.26 / 1.07 / 1.31 against split-K's 1.39 / 1.48 / 1.55 (the
 # previous choice at M = 3); M = 16 1.21-1.24 / 1.07-1.13 / 1.30-1.33 against the table-gather
 # form's 1.48-1.51 / 1.33-1.37 / 1.59-1.62 (the previous choice at 4..16); M = 64 1.46-1.48 /
 # 1.92-1.94 / 1.97 against dequant_dot's 1.70 / 2.36 / 2.34. At M = 128 dequant_dot wins (1.80 /
