@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.block_dot_sweep import SHAPES_KN, _runner
-from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
+from benchmarks.sweep_setup import bf16_us, nf4_weight_copies, record_row, write_rows
 from benchmarks.timing import distinct_copies, us_per_product
 from pallas_kernels.matmul_4bit import matmul_4bit_dequant_dot
 from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
@@ -87,13 +85,8 @@ def main():
         if m <= 2:
             res["max_diff"]["gemv"] = _max_diff(matmul_4bit_gemv, GEMV["gemv gather"],
                                                 GEMV["gemv prmt"], x, qs[0])
-        res["ratios"] = {key: round(v / res["bf16"], 3) for key, v in res.items()
-                         if isinstance(v, float) and key != "bf16"}
-        out.append(res)
-        print(json.dumps(res), flush=True)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "lookup_probe.json"), "w") as f:
-        json.dump(out, f, indent=1)
-
+        record_row(res, out)
+    write_rows(out, "lookup_probe.json")
 
 if __name__ == "__main__":
     main()

@@ -9,14 +9,12 @@ from HBM, distinct x per product (benchmarks/timing.py).
 from __future__ import annotations
 
 import itertools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.block_dot_sweep import SHAPES_KN, _runner
-from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
+from benchmarks.sweep_setup import bf16_us, nf4_weight_copies, record_row, write_rows
 from benchmarks.timing import distinct_copies, us_per_product
 from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv
@@ -39,13 +37,8 @@ def main():
             kernels["splitk_small_m one tile"] = (matmul_4bit_small_m, dict(splits=k // 256))
         for name, (kernel, kw) in kernels.items():
             res[name] = us_per_product(_runner(kernel, kw), (xs, qs), copies)
-        res["ratios"] = {key: round(v / res["bf16"], 3) for key, v in res.items()
-                         if isinstance(v, float) and key != "bf16"}
-        out.append(res)
-        print(json.dumps(res), flush=True)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "m2_5_rows.json"), "w") as f:
-        json.dump(out, f, indent=1)
-
+        record_row(res, out)
+    write_rows(out, "m2_5_rows.json")
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,9 @@
 timed the same way (benchmarks/timing.py: distinct x per product, device time per product)."""
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -23,3 +26,17 @@ def bf16_us(x, dense: list, k: int, n: int):
     dense_copies = l2_defeating_copies(n * k * 2)
     return us_per_product(lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)],
                           (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies)
+
+
+def record_row(res: dict, out: list) -> None:
+    """Add `ratios` (every float timing over res["bf16"]) to one probe row, keep and print it."""
+    res["ratios"] = {key: round(v / res["bf16"], 3) for key, v in res.items()
+                     if isinstance(v, float) and key != "bf16"}
+    out.append(res)
+    print(json.dumps(res), flush=True)
+
+
+def write_rows(out: list, name: str) -> None:
+    """All rows of a probe as one JSON file in $OUT (default /tmp)."""
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
+        json.dump(out, f, indent=1)
