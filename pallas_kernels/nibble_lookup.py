@@ -1,7 +1,7 @@
 """16-entry code lookup in registers with byte permutes (PTX `prmt`), no memory gather.
 
-The small-M 4-bit kernels decode each weight by gathering `code[q]` from a 16-entry table in
-global memory (L1-resident). ncu on the block-scaled dot (H200, M = 16, 4096x14336) counts 7.6
+The small-M 4-bit kernels decode each weight by gathering `code[q]` from a 16-entry table (in
+device memory, L1-resident). ncu on the block-scaled dot (H200, M = 16, 4096x14336) counts 7.6
 instructions per weight, about 5 of them address arithmetic, the gather and nibble handling,
 and the warps stall on the gathers' latency (long scoreboard). This module replaces the gather
 with in-register arithmetic on packed bytes:
