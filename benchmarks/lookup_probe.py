@@ -6,10 +6,9 @@ pallas_kernels/nibble_lookup.py) in the small-M kernels, against the bf16 GEMM, 
 
 M = 1, 2: the GEMV (fp32 gather, and prmt on the bf16-rounded table); M = 3, 4: the split-K
 kernel (the `auto` choice at M = 3 before prmt); M = 1..16: the block-scaled tensor-core kernel
-with rounded codes (gather, prmt, and prmt at other tile configs, since a cheaper decode may
-move the best tile); M > 16 (up to the kernel's 128):
-the block-scaled dot against dequant_dot, the `auto` choice there. Each line also records the largest
-difference between the prmt and gather outputs on one product (0 expected for the block-scaled
+with rounded codes (gather, prmt, and prmt at the gather's tile config, since a cheaper decode
+may move the best tile); M > 16 (up to the kernel's 128): the block-scaled dot against
+dequant_dot, the `auto` choice there. Each line also records the largest difference between the prmt and gather outputs on one product (0 expected for the block-scaled
 dot: the same code tiles). NF4 blocksize 64 with double quant, de-nested in-kernel; device
 time per product, weight streamed from HBM, distinct x per product (benchmarks/timing.py).
 """
@@ -34,18 +33,15 @@ MS = (1, 2, 4, 8, 16)
 _ROUNDED = dict(exact_codes=False)
 _PRMT = dict(_ROUNDED, lookup="prmt")
 GEMV = {"gemv gather": dict(), "gemv prmt": dict(lookup="prmt")}
-BLOCK_DOT = {"block_dot gather": dict(_ROUNDED), "block_dot prmt": dict(_PRMT)}
+BLOCK_DOT = {"block_dot gather": dict(_ROUNDED), "block_dot prmt": dict(_PRMT),
+             # the gather form's tile config (DEFAULT_CONFIG), with the prmt lookup
+             "block_dot prmt bn128 w8": dict(_PRMT, block_n=128, num_warps=8)}
 # History (H200): s8-1 had block_k 1024 and 4 warps at block_n 128: slower than 128x512 with
 # 8 warps everywhere; block_n 64 with 4 warps was faster at 4096x4096 (one K tile per program
 # there) and 2.6-3.2x bf16 at the 14336 shapes (a K loop of 2 tiles per program). s8-2, s8-4:
 # its one-tile form beat 128x512 / 8 warps at M = 16 and 64, so it became PRMT_CONFIG (the
 # "block_dot prmt" row since); s8-4 also had the table words or'ed with `%laneid >> 5` to keep
 # them out of uniform registers: the same instruction count and time, dropped.
-
-
-def _extra_block_dot(k: int) -> dict:
-    del k
-    return {"block_dot prmt bn128 w8": dict(_PRMT, block_n=128, num_warps=8)}
 
 
 def _max_diff(kernel, a_kw, b_kw, x, q):
@@ -69,8 +65,7 @@ def main():
         x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
         xs = distinct_copies(x, copies)
         res = dict(k=k, n=n, m=m, bf16=bf16_us(x, dense, k, n))
-        jobs = [(matmul_4bit_block_dot, name, kw)
-                for name, kw in {**BLOCK_DOT, **_extra_block_dot(k)}.items()]
+        jobs = [(matmul_4bit_block_dot, name, kw) for name, kw in BLOCK_DOT.items()]
         if m <= 2:
             jobs += [(matmul_4bit_gemv, name, kw) for name, kw in GEMV.items()]
         if m in (3, 4):

@@ -120,16 +120,16 @@ def _lop3(a, b, c, lut):
     return out
 
 
-def emulate_words(r, words):
-    """Run both `_PROGRAMS` on uint32 words r of packed weights with table `words` (8,) uint32:
-    returns (hi0, hi1, lo0, lo1) uint32 arrays shaped like r."""
+def emulate_words(r, words, half: str):
+    """Run `_PROGRAMS[half]` on uint32 words r of packed weights with table `words` (8,) uint32:
+    returns its two output words (16-bit pairs of elements 0, 1 and 2, 3), shaped like r."""
     regs = {"r": jnp.asarray(r, jnp.uint32)}
     regs.update({name: words[i] for i, name in enumerate(WORD_NAMES)})
 
     def val(v):
         return regs[v] if isinstance(v, str) else jnp.uint32(v)
 
-    for op, dst, *src in _PROGRAMS["hi"] + _PROGRAMS["lo"]:
+    for op, dst, *src in _PROGRAMS[half]:
         a = val(src[0])
         if op == "and":
             regs[dst] = a & val(src[1])
@@ -145,7 +145,7 @@ def emulate_words(r, words):
             regs[dst] = _lop3(a, val(src[1]), val(src[2]), src[3])
         else:  # pragma: no cover - the program is fixed above
             raise AssertionError(op)
-    return tuple(regs[o] for o in _OUTPUTS["hi"] + _OUTPUTS["lo"])
+    return tuple(regs[o] for o in _OUTPUTS[half])
 
 
 def _pairs_to_values(w0, w1, dtype):
@@ -163,8 +163,7 @@ def emulate_lookup(p, words, dtype, half: str):
     flat = jnp.pad(flat, (0, -flat.size % 4))
     b = flat.reshape(-1, 4)
     r = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
-    outs = dict(zip(_OUTPUTS["hi"] + _OUTPUTS["lo"], emulate_words(r, words)))
-    w0, w1 = (outs[name] for name in _OUTPUTS[half])
+    w0, w1 = emulate_words(r, words, half)
     return _pairs_to_values(w0, w1, dtype).reshape(-1)[:p.size].reshape(p.shape)
 
 
