@@ -34,7 +34,7 @@ def main(argv=None):
         w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
         q = quant.quantize_4bit(w, "nf4", 64, True) if mode == "q" else quant.quantize_int8(w)
         f = jax.jit(lambda x: ops.qmatmul(x, q, backend="pallas"))
-    elif mode in ("gemv", "block_dot"):
+    elif mode in ("gemv", "block_dot", "decoded_dot"):
         from jqlora.ops.products import nested_kernel_operands_4bit
         from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
         from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv
@@ -44,6 +44,8 @@ def main(argv=None):
         packed, codes, nested = nested_kernel_operands_4bit(q)
         if mode == "gemv":
             kernel = matmul_4bit_gemv
+        elif mode == "decoded_dot":
+            from pallas_kernels.matmul_4bit_decoded_dot import matmul_4bit_decoded_dot as kernel
         else:
             kernel = matmul_4bit_block_dot
             cfg["exact_codes"] = bool(cfg.get("exact_codes", 0))

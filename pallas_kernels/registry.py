@@ -46,6 +46,7 @@ _MODULES = (
     "pallas_kernels.matmul_4bit_small_m",
     "pallas_kernels.matmul_4bit_gemv",
     "pallas_kernels.matmul_4bit_block_dot",
+    "pallas_kernels.matmul_4bit_decoded_dot",
     "pallas_kernels.matmul_4bit_t",
     "pallas_kernels.matmul_int8",
     "pallas_kernels.matmul_int8_gemv",

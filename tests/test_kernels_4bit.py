@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import dequantize_4bit as dq_mod
 from pallas_kernels import matmul_4bit_block_dot as bd_mod
+from pallas_kernels import matmul_4bit_decoded_dot as dd_mod
 from pallas_kernels import matmul_4bit as mm_mod
 from pallas_kernels import matmul_4bit_gemv as gv_mod
 from pallas_kernels import matmul_4bit_small_m as sm_mod
@@ -50,7 +51,7 @@ INTERPRET = jax.default_backend() != "gpu"
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 MY_VARIANTS = (dq_mod.VARIANTS + mm_mod.VARIANTS + t_mod.VARIANTS + sm_mod.VARIANTS
-               + gv_mod.VARIANTS + bd_mod.VARIANTS)
+               + gv_mod.VARIANTS + bd_mod.VARIANTS + dd_mod.VARIANTS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -648,7 +649,8 @@ def test_variants_registered():
     assert by_name["splitk_small_m"].supports(64, 64, 128, 64)
     assert {v.name for v in MY_VARIANTS if v.accepts_nested} == {
         "splitk_small_m", "gemv_block_scaled", "gemv_block_scaled_prmt", "block_scaled_dot",
-        "block_scaled_dot_rounded_codes", "block_scaled_dot_prmt"}
+        "block_scaled_dot_rounded_codes", "block_scaled_dot_prmt", "decoded_dot_prmt",
+        "decoded_dot_gather"}
     assert not by_name["splitk_small_m"].supports(65, 64, 128, 64)
     assert by_name["gemv_block_scaled"].supports(4, 64, 128, 64)
     assert not by_name["gemv_block_scaled"].supports(5, 64, 128, 64)

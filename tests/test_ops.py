@@ -267,8 +267,10 @@ def test_auto_plan_on_a_gpu_follows_the_measured_defaults(monkeypatch):
     plan = lambda kind, m, **kw: backends.choose_plan(qs[kind], m, "auto", **kw)
     assert plan("nf4", 1) == backends.Plan("pallas", "gemv_block_scaled", "dequant_dot_t")
     assert plan("nf4", 2) == backends.Plan("pallas", "gemv_block_scaled", "dequant_dot_t")
-    for m in (3, 4, 16, 17, 64):
+    for m in (3, 4, 16, 17, 32):
         assert plan("nf4", m) == backends.Plan("pallas", "block_scaled_dot_prmt", "dequant_dot_t")
+    for m in (33, 48, 64):
+        assert plan("nf4", m) == backends.Plan("pallas", "decoded_dot_prmt", "dequant_dot_t")
     assert plan("nf4", 65) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")
     assert plan("int8", 64) == backends.Plan("pallas", "int8_weight_only_splitk", "int8_dequant_dot_t")
     assert plan("int8", 65) == backends.Plan("pallas", "int8_dequant_dot", "int8_dequant_dot_t")

@@ -26,12 +26,18 @@ GEMV_MAX_M_4BIT = 2
 # (results/..._lookup_probe_s8_2.json, _s8_4.json; ratios to bf16 at 4096x4096 / 4096x14336 /
 # 14336x4096): M = 3 1.26 / 1.07 / 1.31 against split-K's 1.39 / 1.48 / 1.55 (the
 # previous choice at M = 3); M = 16 1.21-1.24 / 1.07-1.13 / 1.30-1.33 against the table-gather
-# form's 1.48-1.51 / 1.33-1.37 / 1.59-1.62 (the previous choice at 4..16); M = 64 1.46-1.48 /
-# 1.92-1.94 / 1.97 against dequant_dot's 1.70 / 2.36 / 2.34. At M = 128 dequant_dot wins (1.80 /
-# 2.52 / 2.24 against 2.18 / 3.60 / 3.30). Effective weight round(code) * absmax where
-# bitsandbytes (and dequant_dot) use round(code * absmax): the same error bound, another
-# rounding point. M = 17..63 untimed (between two measured wins).
-BLOCK_DOT_MAX_M_4BIT = 64
+# form's 1.48-1.51 / 1.33-1.37 / 1.59-1.62 (the previous choice at 4..16). Effective weight
+# round(code) * absmax where bitsandbytes (and dequant_dot) use round(code * absmax): the same
+# error bound, another rounding point. At M = 32 even with decoded_dot_prmt (session 9, s9-4:
+# 1.28 / 1.24 / 1.49 against 1.30 / 1.21 / 1.30).
+BLOCK_DOT_MAX_M_4BIT = 32
+# 4-bit, BLOCK_DOT_MAX_M_4BIT < M <= this: the decoded-weight tensor-core kernel
+# (decoded_dot_prmt: scale applied per weight, 64-row x tiles). H200, s9-4: M = 64 1.14-1.16 /
+# 1.51 / 1.55 against block_scaled_dot_prmt's 1.46 / 1.92 / 1.96 and dequant_dot's 1.68 / 2.37
+# / 2.34. Both kernels pad x to 64 rows for any M in 33..64, so their cost there is M = 64's.
+# Weight round(round(code) * absmax): within about one ulp of x's dtype of bitsandbytes'. At
+# M = 128 dequant_dot wins (1.78 / 2.56 / 2.24 against 2.03 / 3.01 / 2.36 at best).
+DECODED_DOT_MAX_M_4BIT = 64
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
@@ -44,6 +50,7 @@ BLOCK_DOT_MAX_M_4BIT = 64
 DEFAULT_4BIT_FWD_LARGE = "dequant_dot"
 DEFAULT_4BIT_FWD_GEMV = "gemv_block_scaled"
 DEFAULT_4BIT_FWD_BLOCK_DOT = "block_scaled_dot_prmt"
+DEFAULT_4BIT_FWD_DECODED_DOT = "decoded_dot_prmt"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
 # INT8 (H200, 2026-11-21, benchmarks/results README, session 4): at M <= 16 the split-K kernel
@@ -95,6 +102,8 @@ def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
             return DEFAULT_4BIT_FWD_GEMV, DEFAULT_4BIT_BWD_SMALL
         if m <= BLOCK_DOT_MAX_M_4BIT:
             return DEFAULT_4BIT_FWD_BLOCK_DOT, DEFAULT_4BIT_BWD_SMALL
+        if m <= DECODED_DOT_MAX_M_4BIT:
+            return DEFAULT_4BIT_FWD_DECODED_DOT, DEFAULT_4BIT_BWD_SMALL
         return DEFAULT_4BIT_FWD_LARGE, DEFAULT_4BIT_BWD_LARGE
     if numerics == "llm_int8":
         return DEFAULT_LLM_INT8, DEFAULT_INT8_BWD
