@@ -7,7 +7,8 @@ Modes: q (NF4 qmatmul), int8, dense, gemv (the block-scaled GEMV kernel on doubl
 NF4, nested in-kernel): `... profile_small_m gemv 1 4096 14336 block_n=32 block_k=512`, and
 block_dot (the block-scaled tensor-core kernel, rounded codes, the same way; `exact_codes=1` for
 the exact table, `lookup=prmt` for the in-register lookup): `... profile_small_m block_dot 16
-4096 14336`.
+4096 14336`, and decoded_dot (the decoded-weight tensor-core kernel, any M, its keyword
+arguments likewise): `... profile_small_m decoded_dot 2048 4096 4096 block_m=256`.
 
 Without preallocation off, ncu cannot save and restore device memory for kernel replay.
 """

@@ -193,6 +193,23 @@ def denest_tile(codes, row0, col0, nested_absmax_ref, nested_code_ref, offset, *
     return unfused(nested_code_ref[codes.astype(jnp.int32)] * nested_absmax_ref[block]) + offset
 
 
+def kernel_scale_refs(rest, nested: bool, ncols: int):
+    """A 4-bit kernel's refs after its inputs -> (denest, out_ref). With double quantization
+    `rest` is (nested_absmax, nested_code, offset, out) and `denest(am, row0, col0)` turns a
+    loaded tile of scale codes into fp32 scales (`denest_tile`, the offset read once, here);
+    without, `rest` is (out,) and `denest` returns the tile unchanged."""
+    if not nested:
+        (out_ref,) = rest
+        return (lambda am, row0, col0: am), out_ref
+    nested_absmax_ref, nested_code_ref, offset_ref, out_ref = rest
+    offset = offset_ref[0]
+
+    def denest(am, row0, col0):
+        return denest_tile(am, row0, col0, nested_absmax_ref, nested_code_ref, offset,
+                           ncols=ncols)
+    return denest, out_ref
+
+
 def apply_scales(vals, am):
     """vals (R, C) float32, am (R, G) float32 with C % G == 0: vals[r, c] * am[r, c // (C//G)]."""
     r, c = vals.shape

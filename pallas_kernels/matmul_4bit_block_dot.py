@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
-    HIGHEST, check_4bit_weight, denest_tile, nested_kernel_inputs, row_mask, scale_block_chunks,
+    HIGHEST, check_4bit_weight, kernel_scale_refs, nested_kernel_inputs, row_mask, scale_block_chunks,
     supports_4bit)
 from pallas_kernels.matmul_4bit import _NT, check_x
 from pallas_kernels.matmul_4bit_gemv import (
@@ -107,11 +107,7 @@ def _block_dot_kernel(*refs, m: int, n: int, mp: int, bn: int, gc: int, per_bloc
                       tps: int, n_tables: int, nested: bool, prmt: bool, interpret: bool):
     x_ref, packed_ref, absmax_ref, *rest = refs
     table_refs, rest = rest[:n_tables], rest[n_tables:]
-    if nested:
-        nested_absmax_ref, nested_code_ref, offset_ref, out_ref = rest
-        offset = offset_ref[0]
-    else:
-        (out_ref,) = rest
+    denest, out_ref = kernel_scale_refs(rest, nested, absmax_ref.shape[1])
     j, s = pl.program_id(0), pl.program_id(1)
     ragged = n % bn != 0
     wmask = row_mask(j * bn, bn, n) if ragged else None
@@ -145,10 +141,7 @@ def _block_dot_kernel(*refs, m: int, n: int, mp: int, bn: int, gc: int, per_bloc
     def chunk_scale(u):
         col = u // per_block
         am = _compat.load(absmax_ref.at[:, pl.ds(col, 1)], mask=wmask, other=0)
-        if nested:
-            am = denest_tile(am, j * bn, col, nested_absmax_ref, nested_code_ref, offset,
-                             ncols=absmax_ref.shape[1])
-        return am.astype(jnp.float32)
+        return denest(am, j * bn, col).astype(jnp.float32)
 
     def body(t, acc):
         u0 = pl.multiple_of((s * tps + t) * gc, gc)  # first chunk of this tile

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
-    HIGHEST, apply_scales, check_4bit_weight, denest_absmax_reference, denest_tile,
+    HIGHEST, apply_scales, check_4bit_weight, denest_absmax_reference, kernel_scale_refs,
     nested_kernel_inputs, pick_block_bytes, row_mask, supports_4bit)
 from pallas_kernels.matmul_4bit import _NT, check_x, matmul_4bit_reference
 from pallas_kernels.matmul_4bit_block_dot import split_code_table
@@ -52,19 +52,15 @@ from pallas_kernels.registry import Variant
 
 LOOKUPS = ("gather", "prmt")
 # (block_n, block_m, block_k, num_warps, num_stages, K splits): H200, s9-4 (module doc). At
-# M = 64 the three shapes' best or within 2% of it; block_k 128 was 2% faster at 4096x4096
-# and 12% slower at the 14336 shapes; 2 or 8 splits 5-25% slower than 4.
+# M = 64 the three shapes' best or within 2% of it (block_k 128: 2% faster at 4096x4096, 14%
+# slower at 4096x14336); 2 or 8 splits were 4-26% slower than 4 (at block_k 128).
 DEFAULT_CONFIG = (64, 64, 64, 4, 3, 4)
 
 
 def _decoded_dot_kernel(*refs, m: int, n: int, bm: int, bn: int, bkb: int, tps: int,
                         blocksize: int, nested: bool, prmt: bool, interpret: bool):
     x_ref, packed_ref, absmax_ref, table_ref, *rest = refs
-    if nested:
-        nested_absmax_ref, nested_code_ref, offset_ref, out_ref = rest
-        offset = offset_ref[0]
-    else:
-        (out_ref,) = rest
+    denest, out_ref = kernel_scale_refs(rest, nested, absmax_ref.shape[1])
     j, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     wmask = row_mask(j * bn, bn, n) if n % bn else None
     xmask = row_mask(i * bm, bm, m) if m % bm else None
@@ -86,10 +82,7 @@ def _decoded_dot_kernel(*refs, m: int, n: int, bm: int, bn: int, bkb: int, tps: 
         p = _compat.load(packed_ref.at[:, pl.ds(kb0, bkb)], mask=wmask, other=0)
         col0 = (2 * kb0) // blocksize
         am = _compat.load(absmax_ref.at[:, pl.ds(col0, g)], mask=wmask, other=0)
-        if nested:
-            am = denest_tile(am, j * bn, col0, nested_absmax_ref, nested_code_ref, offset,
-                             ncols=absmax_ref.shape[1])
-        am = am.astype(jnp.float32)
+        am = denest(am, j * bn, col0).astype(jnp.float32)
         hi = apply_scales(codes(p, "hi"), am).astype(dtype)
         lo = apply_scales(codes(p, "lo"), am).astype(dtype)
         # byte j -> columns 2j, 2j+1. (Splitting x's tile into even and odd columns instead,

@@ -43,7 +43,7 @@ from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
     HIGHEST, check_4bit_nested_operands, check_4bit_operands, check_4bit_weight,
-    denest_absmax_reference, denest_tile, dequantize_4bit_reference, nested_kernel_inputs,
+    denest_absmax_reference, dequantize_4bit_reference, kernel_scale_refs, nested_kernel_inputs,
     scale_block_chunks, supports_4bit)
 from pallas_kernels.matmul_4bit import check_x
 from pallas_kernels.registry import Variant
@@ -101,11 +101,7 @@ def matmul_4bit_rounded_codes_reference(x, packed, absmax, code, *, blocksize: i
 def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: int,
                  nested: bool, fma: bool, prmt: bool, interpret: bool):
     x_ref, packed_ref, absmax_ref, code_ref, *rest = refs
-    if nested:
-        nested_absmax_ref, nested_code_ref, offset_ref, out_ref = rest
-        offset = offset_ref[0]
-    else:
-        (out_ref,) = rest
+    denest, out_ref = kernel_scale_refs(rest, nested, absmax_ref.shape[1])
     j, s = pl.program_id(0), pl.program_id(1)
     ragged = n % bn != 0
     rows = j * bn + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)
@@ -128,9 +124,7 @@ def _gemv_kernel(*refs, m: int, n: int, bn: int, gc: int, per_block: int, tps: i
             v_lo = code_ref[p & 15]
         c0 = u0 // per_block
         am = _compat.load(absmax_ref.at[:, pl.ds(c0, g)], mask=amask, other=0)
-        if nested:
-            am = denest_tile(am, j * bn, c0, nested_absmax_ref, nested_code_ref, offset,
-                             ncols=absmax_ref.shape[1])
+        am = denest(am, j * bn, c0)
         out = []
         for r in range(m):
             xe, xo = lax.unstack(x_ref[r, pl.ds(u0, gc), :, :].astype(jnp.float32), axis=2)

@@ -165,3 +165,14 @@ def test_lowers_to_triton(lower_for_triton, lookup):
     lower_for_triton(f"{lookup} nested", nested, *common, s((n, k // 64), jnp.uint8),
                      s((16,), jnp.float32), s((n * k // 64 // 256 + 1,), jnp.float32),
                      s((256,), jnp.float32), s((), jnp.float32))
+
+
+def test_triton_ir_fingerprints(lower_for_triton):
+    """benchmarks/ttir_fingerprint (how a refactor is shown not to change compiled code): one
+    hash per pallas_call, the same on a second lowering, different for another lookup."""
+    from benchmarks.ttir_fingerprint import fingerprints
+
+    prmt = fingerprints(matmul_4bit_decoded_dot, 48, {})
+    assert len(prmt) == 2 and all(len(h) == 16 for h in prmt)
+    assert fingerprints(matmul_4bit_decoded_dot, 48, {}) == prmt
+    assert set(fingerprints(matmul_4bit_decoded_dot, 48, dict(lookup="gather"))).isdisjoint(prmt)

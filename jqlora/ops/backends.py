@@ -32,8 +32,8 @@ GEMV_MAX_M_4BIT = 2
 # 1.28 / 1.24 / 1.49 against 1.30 / 1.21 / 1.30).
 BLOCK_DOT_MAX_M_4BIT = 32
 # 4-bit, BLOCK_DOT_MAX_M_4BIT < M <= this: the decoded-weight tensor-core kernel
-# (decoded_dot_prmt: scale applied per weight, 64-row x tiles). H200, s9-4: M = 64 1.14-1.16 /
-# 1.51 / 1.55 against block_scaled_dot_prmt's 1.46 / 1.92 / 1.96 and dequant_dot's 1.68 / 2.37
+# (decoded_dot_prmt: scale applied per weight, 64-row x tiles). H200, s9-4: M = 64 1.16 / 1.51
+# / 1.55 against block_scaled_dot_prmt's 1.46 / 1.92 / 1.96 and dequant_dot's 1.68 / 2.37
 # / 2.34. Both kernels pad x to 64 rows for any M in 33..64, so their cost there is M = 64's.
 # Weight round(round(code) * absmax): within about one ulp of x's dtype of bitsandbytes'. At
 # M = 128 dequant_dot wins (1.78 / 2.56 / 2.24 against 2.03 / 3.01 / 2.36 at best).
