@@ -91,14 +91,14 @@ def main():
         base = _runner(matmul_4bit_dequant_dot, {}, nested_in_kernel=False)
         res["dequant_dot"] = us_per_product(base, (xs, qs), copies)
         want = base([x], qs[:1])[0]
-        if m <= 64:  # the `auto` choice there
+        if m <= 64:  # `auto` up to M = 32, and at 33..64 before decoded_dot
             res["block_dot prmt"] = us_per_product(
                 _runner(matmul_4bit_block_dot, dict(exact_codes=False, lookup="prmt")),
                 (xs, qs), copies)
         configs = dict(CONFIGS, **(SMALL_M_CONFIGS if m <= 256 else {}), default={})
         res["max_diff_vs_dequant_dot"] = {}
         for name, kw in configs.items():
-            if only and not any(s == name for s in only):
+            if only and name not in only:
                 continue
             run = _runner(matmul_4bit_decoded_dot, kw)
             res[name] = us_per_product(run, (xs, qs), copies)

@@ -116,12 +116,12 @@ def check_4bit_weight(packed, absmax, code, blocksize: int, nested, *, what: str
 
 def nested_kernel_inputs(nested):
     """(operands, BlockSpecs) that hand the double-quantization tables whole to every program of
-    a 2-D grid; ((), []) for fp32 scales. The offset scalar travels as a (1,) array."""
+    a grid of any rank; ((), []) for fp32 scales. The offset scalar travels as a (1,) array."""
     if nested is None:
         return (), []
     nested_absmax, nested_code, offset = nested
     ops = (nested_absmax, nested_code, jnp.reshape(offset, (1,)))
-    return ops, [pl.BlockSpec(a.shape, lambda j, s: (0,)) for a in ops]
+    return ops, [pl.BlockSpec(a.shape, lambda *program_ids: (0,)) for a in ops]
 
 
 def scale_block_chunks(k: int, blocksize: int, block_k: int) -> tuple[int, int, int, int, int]:

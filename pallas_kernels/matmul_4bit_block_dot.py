@@ -30,7 +30,8 @@ Two code tables, two registered variants:
   bit, found by byte permutes in registers (`nibble_lookup`) instead of a gather per weight.
   H200 (session 8, s8-2 / s8-4): M = 16 1.21-1.24 / 1.07-1.13 / 1.30-1.33x bf16 against the
   gather's 1.48-1.51 / 1.33-1.37 / 1.59-1.62x; with its own tile config (PRMT_CONFIG) it beats
-  dequant_dot up to M = 64, hence its PRMT_MAX_M = 64. What limits it now (ncu, M = 16): 7.3
+  dequant_dot up to M = 64, hence its PRMT_MAX_M = 64 (`auto` runs it up to M = 32 since
+  session 9; `matmul_4bit_decoded_dot` is faster at 33..64). What limits it now (ncu, M = 16): 7.3
   instructions per weight, 3.25 of them the lookup, 1.0 copies of table words that ptxas
   parks in uniform registers (`nibble_lookup.lookup`); 41% of issue slots busy, 43% achieved
   occupancy (64 registers, 50% theoretical).
@@ -52,8 +53,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
 from pallas_kernels.dequantize_4bit import (
-    HIGHEST, check_4bit_weight, kernel_scale_refs, nested_kernel_inputs, row_mask, scale_block_chunks,
-    supports_4bit)
+    HIGHEST, check_4bit_weight, kernel_scale_refs, nested_kernel_inputs, row_mask,
+    scale_block_chunks, supports_4bit)
 from pallas_kernels.matmul_4bit import _NT, check_x
 from pallas_kernels.matmul_4bit_gemv import (
     matmul_4bit_gemv_reference, matmul_4bit_rounded_codes_reference)
@@ -290,7 +291,7 @@ VARIANTS = (
                     "in registers (nibble_lookup: 3.25 instructions per weight, no load) "
                     "instead of a table gather; bitwise the same code tiles; 64-row tiles, "
                     "4 warps, one K tile per program. H200 M = 16: 1.07-1.33x bf16 against "
-                    "1.33-1.62x with the gather. Default at 3 <= M <= 64.",
+                    "1.33-1.62x with the gather. Default at 3 <= M <= 32.",
         accepts_nested=True,
     ),
 )

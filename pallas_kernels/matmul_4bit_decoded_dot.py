@@ -157,8 +157,7 @@ def matmul_4bit_decoded_dot(x, packed, absmax, code, *, blocksize: int, out_dtyp
         _decoded_dot_kernel, m=m, n=n, bm=bm, bn=bn, bkb=bkb, tps=nk // splits,
         blocksize=blocksize, nested=nested is not None, prmt=prmt,
         interpret=_compat.resolve_interpret(interpret))
-    nested_ops, _ = nested_kernel_inputs(nested)
-    nested_specs = [pl.BlockSpec(a.shape, lambda j, i, s: (0,)) for a in nested_ops]
+    nested_ops, nested_specs = nested_kernel_inputs(nested)
     partial = _compat.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, m, n), part_dtype),
