@@ -93,7 +93,7 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
 
 
 def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "einsum",
-            loss_chunk: int | None = None) -> dict:
+            loss_chunk: int | None = None, dispatch: str = "bound") -> dict:
     import functools
 
     import jax
@@ -106,22 +106,24 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     if loss_chunk is not None and loss_chunk != LOSS_CHUNK:  # the library's step, another chunk
         step = frozen_jit(functools.partial(_train_step_impl, loss_chunk=loss_chunk), nodes=2, donate=True)
     model, opt, batch = build_jax(shape, seq, backend, attention)
+    # "bound" is what jqlora.train.train runs; "unbound" splits the model graph on every call
+    run = step.bind(model, opt) if dispatch == "bound" else functools.partial(step, model, opt)
     built = jax.devices()[0].memory_stats() or {}
     # JAX cannot reset its peak counter: the build's own peak is recorded, so a reader can check
     # that the reported peak is the step's and not the weight generation's.
     before, build_peak = built.get("bytes_in_use", 0), built.get("peak_bytes_in_use", 0)
     t0 = time.perf_counter()
-    jax.block_until_ready(step(model, opt, batch)["loss"])
+    jax.block_until_ready(run(batch)["loss"])
     compile_s = time.perf_counter() - t0
     times, losses = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        m = step(model, opt, batch)
+        m = run(batch)
         losses.append(float(m["loss"]))
         times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
     stats = jax.devices()[0].memory_stats() or {}
-    return {"side": "jqlora", "backend": backend, "attention": attention,
+    return {"side": "jqlora", "backend": backend, "attention": attention, "dispatch": dispatch,
             "loss_chunk": loss_chunk or LOSS_CHUNK, "step_s": step_s, "tokens_per_s": seq / step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "resident_gib_before_step": before / 2**30,
             "peak_gib_before_step": build_peak / 2**30,
@@ -205,9 +207,12 @@ def main(argv=None):
     p.add_argument("--backend", default="auto")
     p.add_argument("--attention", default="einsum", choices=["einsum", "xla", "cudnn"])
     p.add_argument("--loss-chunk", type=int, default=None, help="tokens per LM-head/loss chunk (jax side)")
+    p.add_argument("--dispatch", default="bound", choices=["bound", "unbound"],
+                   help="jax side: train_step.bind(model, opt) (as jqlora.train runs it) or a full "
+                        "graph split per call")
     a = p.parse_args(argv)
     if a.side == "jax":
-        res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk)
+        res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch)
     else:
         res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch")
     c = hf_config(a.shape)

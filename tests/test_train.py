@@ -609,6 +609,66 @@ def test_train_step_outputs_exclude_frozen_weights_and_match_nnx_jit():
     assert float(again["loss"]) < float(got["loss"])
 
 
+def _tiny_batch(seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 128, (1, 2, 17)).astype(np.int32)
+    return {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, 2, 16), np.float32),
+            "segment_ids": np.ones((1, 2, 16), np.int32),
+            "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (1, 2, 16)).copy()}
+
+
+def test_bound_train_step_equals_unbound_and_updates_the_objects():
+    """train_step.bind(model, opt) gives the same steps as train_step(model, opt, batch): same
+    metrics, same LoRA params, optimizer state and RNG counts, written into the same objects."""
+    from jqlora.lora.linear import FrozenParam
+    from jqlora.train.loop import train_step
+
+    model, opt = _quantized_llama_and_opt()
+    ref_model, ref_opt = _quantized_llama_and_opt()
+    frozen_before = jax.tree.leaves(nnx.state((model, opt), FrozenParam))
+    lora_vars = [v for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))]
+    bound = train_step.bind(model, opt)
+    for seed in (0, 1, 2):
+        batch = _tiny_batch(seed)
+        got, want = bound(batch), train_step(ref_model, ref_opt, batch)
+        for key in ("loss", "grad_norm", "ntokens", "ok"):
+            np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
+    # every non-frozen value (LoRA, optimizer moments and count, RNG counts) went into the objects
+    got_state = nnx.to_flat_state(nnx.state((model, opt), nnx.Not(FrozenParam)))
+    want_state = nnx.to_flat_state(nnx.state((ref_model, ref_opt), nnx.Not(FrozenParam)))
+    assert [p for p, _ in got_state] == [p for p, _ in want_state]
+    for (path, a), (_, b) in zip(got_state, want_state):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(path))
+    # the same Variable objects were updated (references taken before bind see the new values)
+    assert [v for _, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))] == lora_vars
+    # frozen weights: the same arrays, never donated
+    for a, b in zip(frozen_before, jax.tree.leaves(nnx.state((model, opt), FrozenParam))):
+        assert a is b and not a.is_deleted()
+
+
+def test_bound_step_reads_values_set_between_calls_and_checks_its_arguments():
+    from jqlora import lora
+    from jqlora.train.frozen_jit import frozen_jit
+
+    model, _ = _quantized_llama_and_opt()
+    ids = jnp.asarray(_tiny_batch()["input_ids"][0])
+    logits = frozen_jit(lambda m, x: m(x)).bind(model)
+    before = np.asarray(logits(ids))
+    name, layer = next((n, l) for n, l in lora.named_linears(model) if l.has_lora)
+    layer.lora_B.set_value(layer.lora_B[...] * 3.0)  # a trainable value changed outside the step
+    assert not np.allclose(np.asarray(logits(ids)), before), name
+    np.testing.assert_allclose(np.asarray(logits(ids)), np.asarray(model(ids)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="exactly 1 NNX objects"):
+        frozen_jit(lambda m, x: m(x)).bind(model, model)
+
+    def grows(m, x):  # changes the structure of the non-frozen state inside the step
+        m.extra = nnx.Param(jnp.zeros(()))
+        return m(x)
+
+    with pytest.raises(ValueError, match="changed the structure"):
+        frozen_jit(grows).bind(model)(ids)
+
+
 @settings(max_examples=12, deadline=None)
 @given(b=st.integers(1, 3), t=st.integers(1, 40), chunk=st.integers(1, 16), seed=st.integers(0, 2**16))
 def test_chunked_cross_entropy_equals_full_on_random_shapes(b, t, chunk, seed):

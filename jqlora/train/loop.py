@@ -488,6 +488,9 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
     _commit(model)
     _commit(optimizer)
     model.train()
+    # bound once: the per-step split/update of the whole model graph is host time the device
+    # would wait for, since each step's metrics are read before the next dispatch
+    step_fn = train_step.bind(model, optimizer)
 
     log = _CsvLog(out_dir / CSV_NAME, ["step", "loss", "lr", "tokens_per_s"],
                   keep_upto=start if resumed_from is not None else None)
@@ -520,7 +523,7 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
         window_tokens, window_t0 = 0, t_prev
         for step in range(start + 1, config.steps + 1):
             ntok_in = int(np.count_nonzero(batch["segment_ids"]))
-            metrics = train_step(model, optimizer, batch)  # async dispatch
+            metrics = step_fn(batch)  # async dispatch
             step_state = batch_state
             if step < config.steps:  # prepare the next batch while the device works
                 batch = next_batch()
