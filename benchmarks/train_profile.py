@@ -115,8 +115,8 @@ def main(argv=None):
     from jqlora.train.loop import train_step
 
     model, opt, batch = build_jax(a.shape, a.seq, a.backend, a.attention, layers=a.layers)
-    hlo = train_step.lower(model, opt, batch).compile().as_text()
     step = train_step.bind(model, opt)
+    hlo = step.lower(batch).compile().as_text()
     for _ in range(2):
         jax.block_until_ready(step(batch)["loss"])
     times = []

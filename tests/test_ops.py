@@ -124,6 +124,28 @@ def test_frozen_weight_gets_zero_cotangent():
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_lora_bf16_output_is_the_sum_of_two_rounded_branches(kind):
+    """In bf16 the base product and the LoRA term are each rounded to bf16, then added (PEFT's
+    order); the gradient w.r.t. x likewise. No float32 (M, N) intermediate is formed."""
+    _, qs = _weights()
+    a, b = _lora(48, 128)
+    x = jax.random.normal(jax.random.key(4), (6, 128), jnp.float32).astype(jnp.bfloat16)
+    a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    y = ops.qmatmul(x, qs[kind], lora=(a, b, 0.5), backend="xla")
+    xa = jnp.dot(x, a16.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    term = (0.5 * jnp.dot(xa, b16.T, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+    base = ops.qmatmul(x, qs[kind], backend="xla")
+    assert y.dtype == base.dtype == term.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(base + term, np.float32))
+    dy = jax.random.normal(jax.random.key(5), (6, 48), jnp.float32).astype(jnp.bfloat16)
+    dx = jax.vjp(lambda x: ops.qmatmul(x, qs[kind], lora=(a, b, 0.5), backend="xla"), x)[1](dy)[0]
+    dx_base = jax.vjp(lambda x: ops.qmatmul(x, qs[kind], backend="xla"), x)[1](dy)[0]
+    u = jnp.dot(dy, b16, preferred_element_type=jnp.float32)
+    dx_term = (0.5 * jnp.dot(u, a16.astype(jnp.float32))).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_base + dx_term, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_check_grads_xla_backend(kind):
     _, qs = _weights(24, 64)
     a, b = _lora(24, 64, r=3)

@@ -159,11 +159,15 @@ class Attention(nnx.Module):
         """jax.nn.dot_product_attention: cuDNN flash attention on a GPU ("cudnn"), or its XLA
         version ("xla"), which tests use to check this wiring on CPU. Without packing, a plain
         causal mask (nothing materialized); with packing, the same boolean mask as the einsum path.
-        Query head n uses kv head n // (heads / kv_heads), like HF's repeat_kv."""
+        Query head n uses kv head n // (heads / kv_heads), like HF's repeat_kv.
+
+        is_causal is set in both cases: that mask is causal already (same segment and key slot <=
+        query slot), and the flag lets cuDNN skip the key tiles above the diagonal, which it
+        would otherwise compute and then mask (about half the work at 2048 tokens)."""
         b, t, h, d = q.shape
         window = None if self.window is None else (self.window - 1, 0)
         mask = None if plain_causal else attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None]
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=plain_causal, scale=d ** -0.5,
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=d ** -0.5,
                                            local_window_size=window if plain_causal else None,
                                            implementation=impl)
         return out.reshape(b, t, h * d)

@@ -98,6 +98,7 @@ def frozen_jit(fn: Callable, *, nodes: int = 1, donate: bool = False) -> Callabl
                 set_(value)
             return out
 
+        bound.lower = lambda *rest: bound_jit.lower(frozen, mutable, *rest)
         return bound
 
     @functools.lru_cache(maxsize=8)  # binds of equal structure share one compiled step
