@@ -45,13 +45,23 @@ def hlo_lines(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def gemm_label(line: str | None, lora_rank: int) -> str:
-    """'lora' if an operand or the result has a dimension equal to the LoRA rank, else 'frozen'
-    (or 'other' when the line is unknown); with the shapes of the instruction."""
+def result_shape(line: str) -> str:
+    """The result shape text of an HLO instruction line ('bf16[2048,4096]'), or ''."""
+    m = re.match(r"\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\(?([a-z0-9]+\[[0-9,]*\])", line)
+    return m.group(1) if m else ""
+
+
+def gemm_label(line: str | None, lines: dict, lora_rank: int) -> str:
+    """'gemm lora' if the result or an operand has a dimension equal to the LoRA rank, else
+    'gemm frozen/head'; with the result and operand shapes (operands looked up by name, since
+    optimized HLO prints fusion operands without shapes)."""
     if not line:
         return "gemm (no HLO line)"
-    shapes = _SHAPE.findall(line.split("custom_call_target")[0])
-    dims = {int(d) for s in shapes for d in re.findall(r"\d+", s.split("[", 1)[1])}
+    call = line.split("=", 1)[1].split("custom_call_target")[0].split("calls=")[0]
+    operands = re.findall(r"%([\w.\-]+)", call)
+    shapes = [result_shape(line)] + [result_shape(lines.get(o, "")) for o in operands]
+    shapes = [sh for sh in shapes if sh]
+    dims = {int(d) for sh in shapes for d in re.findall(r"\d+", sh.split("[", 1)[1])}
     kind = "lora" if lora_rank in dims else "frozen/head"
     return f"gemm {kind} " + " ".join(shapes[:4])
 
@@ -64,8 +74,8 @@ def categorize(name: str, hlo_op: str | None, lines: dict, lora_rank: int) -> tu
         return "dequant", name
     if _ATTN_NAME.search(name):
         return "attention", name
-    if _GEMM_NAME.search(name) or (line and "__cublas" in line):
-        label = gemm_label(line, lora_rank)
+    if _GEMM_NAME.search(name) or (line and ("__cublas" in line or "gemm_fusion" in line)):
+        label = gemm_label(line, lines, lora_rank)
         return ("gemm lora" if " lora " in label else "gemm frozen/head"), label
     if "matmul_" in low or "_kernel" in low:
         return "pallas", name

@@ -252,11 +252,12 @@ def evaluate(model, batches, *, max_batches: int | None = None) -> float:
     """Mean masked cross-entropy over ``batches`` with the model in eval mode (dropout off)."""
     model.eval()
     try:
+        step = _eval_step.bind(model)  # bound after eval(): the graph split once, not per batch
         total, ntok = 0.0, 0.0
         for i, b in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
-            s, n = _eval_step(model, {k: jnp.asarray(v) for k, v in b.items()})
+            s, n = step({k: jnp.asarray(v) for k, v in b.items()})
             total += float(s)
             ntok += float(n)
     finally:
