@@ -74,7 +74,8 @@ def categorize(name: str, hlo_op: str | None, lines: dict, lora_rank: int) -> tu
         return "dequant", name
     if _ATTN_NAME.search(name):
         return "attention", name
-    if _GEMM_NAME.search(name) or (line and ("__cublas" in line or "gemm_fusion" in line)):
+    own = (line or "").split("metadata=")[0]  # the instruction itself, not its operands' names
+    if _GEMM_NAME.search(name) or "__cublas" in own or "calls=%gemm_fusion" in own:
         label = gemm_label(line, lines, lora_rank)
         return ("gemm lora" if " lora " in label else "gemm frozen/head"), label
     if "matmul_" in low or "_kernel" in low:
