@@ -424,17 +424,14 @@ def test_config_and_loader_errors(tmp_path):
         models.from_params(params, TINY_LLAMA, lora=lora.LoraConfig(target_modules=("c_attn",)))
 
 
-@pytest.mark.torch
-@pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # sliding window + GQA; head_dim 32 + qk-norm
-def test_fused_attention_path_matches_einsum(arch, saved):
-    """attention="xla" goes through jax.nn.dot_product_attention (the call that runs cuDNN flash
-    attention with "cudnn" on a GPU): same logits and LoRA gradients as the einsum path, for plain
-    causal input and for packed segments."""
-    _, d = saved[arch]
-    params, config = _load(d)
-    build = lambda attn: models.from_params(params, config, compute_dtype=jnp.float32, remat=True, attention=attn,
+def _attention_pair(saved, arch, dtype, impl):
+    """(einsum model, `impl` model) over one checkpoint with nonzero LoRA B, plus ids, packed
+    segment ids (two segments in row 0, padding in row 1), the real-token mask and a function
+    giving each model's LoRA gradients of a loss over the real tokens."""
+    params, config = _load(saved[arch][1])
+    build = lambda attn: models.from_params(params, config, compute_dtype=dtype, remat=True, attention=attn,
                                             lora=lora.LoraConfig(rank=2), rngs=nnx.Rngs(0))
-    ref, fused = build("einsum"), build("xla")
+    ref, fused = build("einsum"), build(impl)
     for m in (ref, fused):
         for _, layer in lora.named_linears(m):
             if layer.has_lora:
@@ -444,19 +441,30 @@ def test_fused_attention_path_matches_einsum(arch, saved):
     seg[0, 10:] = 2
     seg[1, 20:] = 0  # padding
     real = seg > 0
+
+    def grads(m):
+        loss = lambda m: jnp.mean(m(ids, segment_ids=jnp.asarray(seg)).astype(jnp.float32)[real] ** 2)
+        return [np.asarray(g, np.float32) for g in
+                jax.tree_util.tree_leaves(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(m))]
+
+    return ref, fused, ids, seg, real, grads
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # sliding window + GQA; head_dim 32 + qk-norm
+def test_fused_attention_path_matches_einsum(arch, saved):
+    """attention="xla" goes through jax.nn.dot_product_attention (the call that runs cuDNN flash
+    attention with "cudnn" on a GPU): same logits and LoRA gradients as the einsum path, for plain
+    causal input and for packed segments."""
+    ref, fused, ids, seg, real, grads = _attention_pair(saved, arch, jnp.float32, "xla")
     for kw in ({}, {"segment_ids": jnp.asarray(seg)}):
         y_ref, y = nnx.jit(lambda m, x: m(x, **kw))(ref, ids), nnx.jit(lambda m, x: m(x, **kw))(fused, ids)
         keep = real if kw else np.ones_like(real)
         np.testing.assert_allclose(np.asarray(y)[keep], np.asarray(y_ref)[keep], rtol=1e-5, atol=1e-4)
-
-    def grads(m):
-        loss = lambda m: jnp.mean(m(ids, segment_ids=jnp.asarray(seg)).astype(jnp.float32)[real] ** 2)
-        return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
-
-    for g_ref, g in zip(jax.tree_util.tree_leaves(grads(ref)), jax.tree_util.tree_leaves(grads(fused))):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-6)
+    for g_ref, g in zip(grads(ref), grads(fused)):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="unknown attention"):
-        models.from_params(params, config, attention="flash")
+        models.from_params(*_load(saved[arch][1]), attention="flash")
 
 
 @pytest.mark.torch
@@ -465,33 +473,14 @@ def test_fused_attention_path_matches_einsum(arch, saved):
 def test_cudnn_attention_matches_einsum_in_bf16(arch, saved):
     """attention="cudnn" (causal flag + segment mask with packing): the same bf16 logits and LoRA
     gradients as the einsum path, up to bf16 rounding, with nothing non-finite on real tokens."""
-    _, d = saved[arch]
-    params, config = _load(d)
-    build = lambda attn: models.from_params(params, config, compute_dtype=jnp.bfloat16, remat=True, attention=attn,
-                                            lora=lora.LoraConfig(rank=2), rngs=nnx.Rngs(0))
-    ref, fused = build("einsum"), build("cudnn")
-    for m in (ref, fused):
-        for _, layer in lora.named_linears(m):
-            if layer.has_lora:
-                layer.lora_B.set_value(jnp.full(layer.lora_B.shape, 0.05))
-    ids = jnp.asarray(_ids())
-    seg = np.ones((2, T), np.int32)
-    seg[0, 10:] = 2
-    seg[1, 20:] = 0  # padding
-    real = seg > 0
+    ref, fused, ids, seg, real, grads = _attention_pair(saved, arch, jnp.bfloat16, "cudnn")
     for kw in ({}, {"segment_ids": jnp.asarray(seg)}):
         f = nnx.jit(lambda m, x: m(x, **kw).astype(jnp.float32))
         y_ref, y = np.asarray(f(ref, ids)), np.asarray(f(fused, ids))
         keep = real if kw else np.ones_like(real)
         assert np.isfinite(y[keep]).all()
         np.testing.assert_allclose(y[keep], y_ref[keep], rtol=0.05, atol=0.05 * np.abs(y_ref).max())
-
-    def grads(m):
-        loss = lambda m: jnp.mean(m(ids, segment_ids=jnp.asarray(seg)).astype(jnp.float32)[real] ** 2)
-        return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
-
-    for g_ref, g in zip(jax.tree_util.tree_leaves(grads(ref)), jax.tree_util.tree_leaves(grads(fused))):
-        g, g_ref = np.asarray(g, np.float32), np.asarray(g_ref, np.float32)
+    for g_ref, g in zip(grads(ref), grads(fused)):
         assert np.isfinite(g).all()
         assert np.linalg.norm(g - g_ref) <= 0.05 * np.linalg.norm(g_ref) + 1e-6
 
