@@ -93,7 +93,7 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
 
 
 def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "einsum",
-            loss_chunk: int | None = None, dispatch: str = "bound") -> dict:
+            loss_chunk: int | None = None, dispatch: str = "bound", packed: bool = False) -> dict:
     import functools
 
     import jax
@@ -106,6 +106,8 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     if loss_chunk is not None and loss_chunk != LOSS_CHUNK:  # the library's step, another chunk
         step = frozen_jit(functools.partial(_train_step_impl, loss_chunk=loss_chunk), nodes=2, donate=True)
     model, opt, batch = build_jax(shape, seq, backend, attention)
+    if not packed:  # one sequence per row, as train(packing=False) feeds it (and as torch runs)
+        del batch["segment_ids"]
     # "bound" is what jqlora.train.train runs; "unbound" splits the model graph on every call
     run = step.bind(model, opt) if dispatch == "bound" else functools.partial(step, model, opt)
     built = jax.devices()[0].memory_stats() or {}
@@ -124,6 +126,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     step_s = float(np.median(times))
     stats = jax.devices()[0].memory_stats() or {}
     return {"side": "jqlora", "backend": backend, "attention": attention, "dispatch": dispatch,
+            "segment_mask": packed,
             "loss_chunk": loss_chunk or LOSS_CHUNK, "step_s": step_s, "tokens_per_s": seq / step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "resident_gib_before_step": before / 2**30,
             "peak_gib_before_step": build_peak / 2**30,
@@ -207,12 +210,15 @@ def main(argv=None):
     p.add_argument("--backend", default="auto")
     p.add_argument("--attention", default="einsum", choices=["einsum", "xla", "cudnn"])
     p.add_argument("--loss-chunk", type=int, default=None, help="tokens per LM-head/loss chunk (jax side)")
+    p.add_argument("--packed", action="store_true",
+                   help="jax side: pass segment ids (the packing path: a (T, T) mask in attention); "
+                        "by default the row is one unpacked sequence, as on the torch side")
     p.add_argument("--dispatch", default="bound", choices=["bound", "unbound"],
                    help="jax side: train_step.bind(model, opt) (as jqlora.train runs it) or a full "
                         "graph split per call")
     a = p.parse_args(argv)
     if a.side == "jax":
-        res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch)
+        res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch, a.packed)
     else:
         res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch")
     c = hf_config(a.shape)

@@ -118,6 +118,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--backend", default="auto")
     p.add_argument("--attention", default="cudnn")
+    p.add_argument("--packed", action="store_true", help="pass segment ids (attention gets the (T, T) mask)")
     a = p.parse_args(argv)
 
     import jax
@@ -126,6 +127,8 @@ def main(argv=None):
     from jqlora.train.loop import train_step
 
     model, opt, batch = build_jax(a.shape, a.seq, a.backend, a.attention, layers=a.layers)
+    if not a.packed:  # as train_bench: one unpacked sequence per row unless --packed
+        del batch["segment_ids"]
     step = train_step.bind(model, opt)
     hlo = step.lower(batch).compile().as_text()
     for _ in range(2):
@@ -144,7 +147,7 @@ def main(argv=None):
             trace = json.load(f)
     events = kernel_events(trace)
     res = summarize(events, hlo_lines(hlo), a.steps, lora_rank=16)
-    res.update(shape=a.shape, layers=a.layers, seq=a.seq, steps=a.steps, attention=a.attention,
+    res.update(shape=a.shape, layers=a.layers, seq=a.seq, steps=a.steps, attention=a.attention, packed=a.packed,
                wall_step_s=[round(t, 4) for t in times], device=jax.devices()[0].device_kind,
                jax=jax.__version__, kernel_events=len(events))
     out_dir = os.environ.get("OUT", "/tmp")

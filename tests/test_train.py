@@ -646,6 +646,48 @@ def test_bound_train_step_equals_unbound_and_updates_the_objects():
         assert a is b and not a.is_deleted()
 
 
+@pytest.mark.parametrize("attention", ["einsum", "xla"])
+def test_unpacked_rows_need_no_segment_mask(attention):
+    """train(packing=False) drops segment_ids: with one example per row from position 0 and the
+    padding after it, plain causal attention gives the same loss, token count and LoRA gradients
+    as the segment mask (the xla attention is the call that runs cuDNN on a GPU)."""
+    from jqlora import lora, models
+    from jqlora.train.loop import _forward_sums
+
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = models.from_params(models.init_params(cfg, seed=0, std=0.1), cfg, quantize="nf4",
+                               compute_dtype=jnp.float32, lora=lora.LoraConfig(rank=4), rngs=nnx.Rngs(0),
+                               attention=attention)
+    for _, layer in lora.named_linears(model):
+        if layer.has_lora:
+            layer.lora_B.set_value(jnp.full(layer.lora_B.shape, 0.01))
+    batch = {k: v[0] for k, v in _tiny_batch(3).items()}
+    lengths = [16, 9]  # row 1: 9 real tokens, then padding (pad id 0, segment 0, no loss)
+    for row, n in enumerate(lengths):
+        batch["input_ids"][row, n:] = 0
+        batch["loss_mask"][row, n:] = 0
+        batch["segment_ids"][row, n:] = 0
+        batch["positions"][row, n:] = 0
+    unpacked = {k: v for k, v in batch.items() if k != "segment_ids"}
+
+    def sums_and_grads(b):
+        b = {k: jnp.asarray(v) for k, v in b.items()}
+        s, n = _forward_sums(model, b)
+        g = nnx.grad(lambda m: _forward_sums(m, b)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        return float(s), float(n), jax.tree.leaves(g)
+
+    s_mask, n_mask, g_mask = sums_and_grads(batch)
+    s_plain, n_plain, g_plain = sums_and_grads(unpacked)
+    assert n_plain == n_mask == 16 + 9
+    np.testing.assert_allclose(s_plain, s_mask, rtol=1e-6)
+    for a, b in zip(g_plain, g_mask):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+    # the mask does matter once a row holds two examples: the check above can fail
+    packed = dict(batch, segment_ids=np.where(np.arange(16) < 8, 1, 2)[None].repeat(2, 0).astype(np.int32))
+    assert abs(sums_and_grads(packed)[0] - s_plain) > 1e-3
+
+
 def test_bound_step_reads_values_set_between_calls_and_checks_its_arguments():
     from jqlora import lora
     from jqlora.train.frozen_jit import frozen_jit

@@ -76,7 +76,7 @@ class TrainConfig:
     save_every: int = 100        # checkpoint every N steps (0: only at the end); always at the end
     log_every: int = 10          # CSV row every N steps (and at the last step)
     remat: bool | str = False    # per-layer rematerialization in the model (see train())
-    packing: bool = True
+    packing: bool = True         # several examples per row; False: one per row, no segment mask
     eval_every: int | None = None
     eval_data_path: str | None = None
     eval_max_batches: int | None = None
@@ -174,7 +174,9 @@ def chunked_cross_entropy(lm_logits, h, targets, mask, chunk: int = LOSS_CHUNK):
 
 
 def _forward_sums(model, batch, loss_chunk: int = LOSS_CHUNK):
-    kw = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
+    # A batch without segment_ids (unpacked, right-padded rows: see train()) runs plain causal
+    # attention, with no (T, T) mask.
+    kw = dict(positions=batch["positions"], segment_ids=batch.get("segment_ids"))
     if hasattr(model, "lm_logits"):  # jqlora CausalLM: chunked LM head + loss
         h = model(batch["input_ids"], return_hidden=True, **kw)
         return chunked_cross_entropy(model.lm_logits, h, batch["targets"], batch["loss_mask"], loss_chunk)
@@ -508,7 +510,13 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
                dynamic_ncols=True, file=sys.stderr)
 
     def next_batch():
-        return _stack([next(it) for _ in range(config.grad_accum)])
+        batch = _stack([next(it) for _ in range(config.grad_accum)])
+        if not config.packing:
+            # One example per row from position 0, padding after it: under plain causal
+            # attention no real token sees a padding key, so the segment mask changes nothing
+            # for the loss, and without it cuDNN runs its mask-free causal kernels.
+            del batch["segment_ids"]
+        return batch
 
     def save(step, data_state):
         result.checkpoint = save_checkpoint(ckpt_dir, model, optimizer, data_state, step,
