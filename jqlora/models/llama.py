@@ -163,7 +163,8 @@ class Attention(nnx.Module):
 
         is_causal is set in both cases: that mask is causal already (same segment and key slot <=
         query slot), and the flag lets cuDNN skip the key tiles above the diagonal, which it
-        would otherwise compute and then mask (about half the work at 2048 tokens)."""
+        would otherwise compute and then mask (8B step on an H200, 2048 tokens: attention
+        35 -> 27 ms; without the mask, for unpacked rows, 15 ms)."""
         b, t, h, d = q.shape
         window = None if self.window is None else (self.window - 1, 0)
         mask = None if plain_causal else attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None]

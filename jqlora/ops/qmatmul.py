@@ -66,7 +66,8 @@ def _with_lora(st: _Static, scale: float, x, q, a, b):
 def _with_lora_fwd(st, scale, x, q, a, b):
     # Each branch is rounded to the compute dtype before the sum, as PEFT's bf16 layers do. A
     # float32 (M, N) base + float32 LoRA term then one rounding cost two float32 (M, N) writes
-    # and reads per layer: 13% of an 8B training step's device time on an H200 (notes, s10).
+    # and reads per layer: 12 of the 235 ms of kernels in an 8B training step on an H200
+    # (benchmarks/results README, session 10).
     base = forward_product(st.plan, x, q, out_dtype=st.out_dtype, numerics=st.numerics)
     xa = _dot_nt(x, a).astype(x.dtype)  # (M, r): the only LoRA activation kept for backward
     y = base + (scale * _dot_nt(xa, b)).astype(st.out_dtype)

@@ -510,13 +510,15 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
                dynamic_ncols=True, file=sys.stderr)
 
     def next_batch():
+        """(batch, number of real tokens in it)."""
         batch = _stack([next(it) for _ in range(config.grad_accum)])
+        ntok = int(np.count_nonzero(batch["segment_ids"]))
         if not config.packing:
             # One example per row from position 0, padding after it: under plain causal
             # attention no real token sees a padding key, so the segment mask changes nothing
             # for the loss, and without it cuDNN runs its mask-free causal kernels.
             del batch["segment_ids"]
-        return batch
+        return batch, ntok
 
     def save(step, data_state):
         result.checkpoint = save_checkpoint(ckpt_dir, model, optimizer, data_state, step,
@@ -526,16 +528,16 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
     try:
         if start >= config.steps:
             return result
-        batch = next_batch()
+        batch, ntok_next = next_batch()
         batch_state = it.state_dict()  # the data position once this batch is consumed
         t_prev = time.perf_counter()
         window_tokens, window_t0 = 0, t_prev
         for step in range(start + 1, config.steps + 1):
-            ntok_in = int(np.count_nonzero(batch["segment_ids"]))
+            ntok_in = ntok_next
             metrics = step_fn(batch)  # async dispatch
             step_state = batch_state
             if step < config.steps:  # prepare the next batch while the device works
-                batch = next_batch()
+                batch, ntok_next = next_batch()
                 batch_state = it.state_dict()
             m = {k: v.item() for k, v in jax.device_get(metrics).items()}
             m["lr"] = float(schedule(step - 1))
