@@ -9,6 +9,9 @@ configs (and the `matmul_int8_gemv` default) on every shape, each config's outpu
 caps the configs tried after it is spent. large: at M = 128, 2048 and 8192, the forward (y = x @
 W.T) and the backward product (dx = dy @ W) of the xla path, the fenced dequant + GEMM and the
 tiled kernels, beside the bf16 GEMMs. stages: num_stages x num_warps around the default tiles.
+orient: the weight-left tile product (`weight_left=True`: CB_tile . x_tile^T, the converted
+weight as the MMA's register operand) against the default x-left one, split-K configs at M = 1
+and 16, tiled configs at M = 128, 2048 and 8192 beside `int8_dequant_dot` and the bf16 GEMM.
 """
 from __future__ import annotations
 
@@ -34,6 +37,16 @@ GRID = [dict(block_n=bn, block_k=bk, splits=sp)
 STAGES_GRID = [dict(block_n=bn, block_k=bk, num_stages=ns, num_warps=nw)
                for (bn, bk), ns, nw in itertools.product(((64, 256), (128, 256), (64, 512)),
                                                          (3, 4, 5, 6), (4, 8))]
+
+
+# --part orient: (block_n, block_k, splits, num_warps) x weight_left at M = 1 (M = 16: ORIENT_16)
+ORIENT_SMALL = [dict(block_n=bn, block_k=bk, splits=sp, num_warps=nw, weight_left=wl)
+                for (bn, nw), bk, sp, wl in itertools.product(
+                    ((64, 4), (128, 4), (128, 8)), (256, 512), (None, 1, 2), (False, True))]
+ORIENT_16 = [c for c in ORIENT_SMALL if c["block_k"] == 256 and c["splits"] is None]
+# (block_m, block_n, block_k, num_warps, num_stages) of the tiled kernel, each with both orientations
+ORIENT_LARGE = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+                (128, 128, 128, 8, 3), (128, 64, 128, 4, 3), (256, 64, 64, 4, 3)]
 
 
 def _rel_err(got, want) -> float:
@@ -96,11 +109,45 @@ def large(record):
                     (distinct_copies(a, copies), ws, qs), copies))
 
 
+def orient(record, budget):
+    """Weight-left against x-left tile products (module doc)."""
+    t0 = time.time()
+    for k, n in SHAPES_KN:
+        copies = l2_defeating_copies(n * k * 2)
+        ws = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02 for i in range(copies)]
+        qs = [quant.quantize_int8(w) for w in ws]
+        for m in (1, 16, 128, 2048, 8192):
+            x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
+            xs = distinct_copies(x, copies)
+            cell = dict(k=k, n=n, m=m)
+            want = matmul_int8_reference(x, qs[0].cb, qs[0].scb)
+            record(**cell, what="bf16 dot", us=us_per_product(
+                lambda xs, ws: [a @ w.T for a, w in zip(xs, ws)], (xs, ws), copies))
+            if m <= 16:
+                kernels = [("splitk", matmul_int8_splitk, c)
+                           for c in [{}] + (ORIENT_SMALL if m == 1 else ORIENT_16)]
+            else:
+                kernels = [("int8_dequant_dot", matmul_int8_dequant_dot, {})]
+                for (bm, bn, bk, nw, ns), wl in itertools.product(ORIENT_LARGE, (False, True)):
+                    kernels.append(("tiled", matmul_int8, dict(
+                        block_m=min(bm, m), block_n=bn, block_k=bk, num_warps=nw,
+                        num_stages=ns, weight_left=wl)))
+            for what, fn, cfg in kernels:
+                if time.time() - t0 > budget and cfg:
+                    record(**cell, what="budget spent", skipped=len(kernels))
+                    break
+                us = us_per_product(lambda xs, qs, fn=fn, cfg=cfg: [fn(a, q.cb, q.scb, **cfg) for a, q in zip(xs, qs)],
+                                    (xs, qs), copies)
+                err = None if isinstance(us, str) else _rel_err(fn(x, qs[0].cb, qs[0].scb, **cfg), want)
+                record(**cell, what=what, cfg=cfg, us=us, rel_err=err)
+
+
 def main():
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=("small", "large", "both", "stages"), default="both")
+    ap.add_argument("--part", choices=("small", "large", "both", "stages", "orient"),
+                    default="both")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
     budget = float(os.environ.get("SWEEP_BUDGET", "150"))
@@ -116,6 +163,8 @@ def main():
         small(record, budget, STAGES_GRID)
     if args.part in ("large", "both"):
         large(record)
+    if args.part == "orient":
+        orient(record, budget)
     with open(os.path.join(out_dir, f"int8_sweep_{args.part}.json"), "w") as f:
         json.dump(records, f, indent=1)
 

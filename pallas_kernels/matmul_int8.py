@@ -27,8 +27,12 @@ Kernels (Pallas, Triton lowering on GPU, interpret mode on CPU):
 - `matmul_int8_t`: dx = dy @ W without W in memory: dy tile columns are scaled by SCB/127 in fp32,
   rounded to dy.dtype, then dy_scaled @ CB_tile (CB cast to dy.dtype), fp32 accumulation.
 
-Shapes that are not multiples of the tile are zero-padded in the wrapper (a copy of CB when N or K
-is not a multiple of the tile; typical model dimensions are multiples of 128 and are not copied).
+Default N and K blocks are the largest power of two (within each kernel's range) that divides N and
+K, so checkpoint dimensions such as K = 11008 (43 tiles of 256) are not copied into a padded CB;
+only a dimension with no power-of-two divisor >= 16 (N) or 32 (K) is zero-padded in the wrapper (a
+copy of CB per call). H200, session 11 (`benchmarks/int8_shape_probe.py`): the padded copies made
+the split-K kernel 2.7-3.2x bf16 at M = 1 on Llama-2 7B / 13B and Qwen2.5-7B shapes (0.58-0.89x
+without them) and the dequant kernel + GEMM 1.64x at K = 11008, M = 2048 (1.14x without).
 Block sizes are powers of two; int8 tiles are used with K-blocks >= 32.
 fp32 inputs use an IEEE fp32 dot (Precision.HIGHEST, no TF32).
 """
@@ -94,6 +98,18 @@ def _clamp_block(n: int, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, _next_pow2(n))))
 
 
+def _divisor_block(n: int, lo: int, hi: int) -> int:
+    """The largest power of two in [lo, hi] that divides n, so that an operand of extent n is not
+    copied into a padded buffer on every call (a (4096, 11008) CB padded to 11264 columns was a
+    45 MB copy per product); without one, the clamped power of two (the operand is padded)."""
+    b = hi
+    while b >= lo:
+        if n % b == 0:
+            return int(b)
+        b //= 2
+    return _clamp_block(n, lo, hi)
+
+
 def _check_block(name: str, b: int) -> int:
     b = int(b)
     if b < 16 or b & (b - 1):
@@ -109,8 +125,8 @@ def _output_tiles(m: int, n: int, k: int, block_m, block_n, block_k):
     """(bm, bn, bk) of the (M tiles, N tiles) kernels with a K loop: the caller's blocks, checked,
     or defaults from the problem size (shared by the weight-only and LLM.int8 kernels)."""
     return (_check_block("block_m", block_m or _clamp_block(m, 16, 128)),
-            _check_block("block_n", block_n or _clamp_block(n, 16, 128)),
-            _check_block("block_k", block_k or _clamp_block(k, 32, 64)))
+            _check_block("block_n", block_n or _divisor_block(n, 16, 128)),
+            _check_block("block_k", block_k or _divisor_block(k, 32, 64)))
 
 
 def _pad2(a, rows: int, cols: int):
@@ -184,7 +200,17 @@ def matmul_int8_t_reference(dy, cb, scb, *, out_dtype=None, interpret=False):
 
 
 # ----------------------------------------------------------------------------- y = x @ W.T
-def _wo_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, dequant):
+def _oriented_dot(x, w, weight_left: bool, precision):
+    """x (bm, bk) . w (bn, bk)^T in fp32, as (bm, bn), or as (bn, bm) with the weight as the left
+    operand (`weight_left`). The weight is converted in registers; on Hopper only the left
+    operand of a warpgroup MMA may come from registers, so the weight-left form lets the MMA take
+    it there instead of through shared memory. The caller transposes the accumulator at the end."""
+    if weight_left:
+        return lax.dot_general(w, x, _NT, precision=precision, preferred_element_type=jnp.float32)
+    return lax.dot_general(x, w, _NT, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _wo_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, dequant, weight_left):
     bm, bn = o_ref.shape
     cdt = x_ref.dtype
     prec = _precision(cdt)
@@ -199,10 +225,11 @@ def _wo_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, dequant):
             w = (cbt.astype(jnp.float32) * s_col).astype(cdt)
         else:
             w = cbt.astype(cdt)  # exact: |cb| <= 127
-        return acc + lax.dot_general(x, w, _NT, precision=prec,
-                                     preferred_element_type=jnp.float32)
+        return acc + _oriented_dot(x, w, weight_left, prec)
 
-    acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
+    acc = lax.fori_loop(0, nk, body, jnp.zeros((bn, bm) if weight_left else (bm, bn), jnp.float32))
+    if weight_left:
+        acc = acc.T
     if dequant == "epilogue":
         acc = acc * s_ref[...]  # (1, bn) f32
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -211,16 +238,18 @@ def _wo_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, dequant):
 @functools.partial(
     jax.jit,
     static_argnames=("out_dtype", "interpret", "dequant", "block_m", "block_n", "block_k",
-                     "num_warps", "num_stages"))
+                     "num_warps", "num_stages", "weight_left"))
 def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogue",
-                block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=3):
+                block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=3,
+                weight_left=False):
     """y = x @ W.T with W = CB * SCB[:, None] / 127; x (M, K) float, cb (N, K) int8, scb (N,) f32.
 
     Compute in x.dtype (bf16/fp16 matrix product, or IEEE fp32 for fp32 x), fp32 accumulation,
     one rounding to out_dtype (default x.dtype). dequant="epilogue" (default, faster): SCB/127 is
     applied per output column after the K loop; dequant="tile": each CB tile is dequantized to
     x.dtype in registers like the reference. Both agree with `matmul_int8_reference` to within
-    rounding (not bitwise).
+    rounding (not bitwise). weight_left: the tile product is CB_tile . x_tile^T (see
+    `_oriented_dot`), same numerics.
     """
     _check_weight("matmul_int8", x, cb, scb, 1, "x")
     if dequant not in ("epilogue", "tile"):
@@ -243,7 +272,7 @@ def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogu
     if num_warps is None:
         num_warps = 8 if bm * bn >= 128 * 128 else 4
     out = pl.pallas_call(
-        functools.partial(_wo_kernel, nk=nk, bk=bk, dequant=dequant),
+        functools.partial(_wo_kernel, nk=nk, bk=bk, dequant=dequant, weight_left=weight_left),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         grid=(mp // bm, np_ // bn),
         in_specs=[
@@ -260,26 +289,33 @@ def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogu
 
 
 # ----------------------------------------------------------------------------- small M, split K
-def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, m, scale):
-    """x_ref is a (bm, .) block over the unpadded (m, K) x: rows >= m are masked to zero in the
-    load (no padded copy of x). scale: multiply by SCB * f32(1/127) (s_ref holds SCB) and write
-    out_dtype here (one K split) instead of fp32 partials."""
+def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, per, nk, bk, m, scale, weight_left):
+    """x_ref (bm, K) is a block over the unpadded (m, K) x: rows >= m are masked to zero in the
+    load (no padded copy of x). K split s takes K tiles [s * per, min((s + 1) * per, nk)): the
+    last split is shorter when `per` does not divide the nk tiles (a dynamic trip count, so CB
+    is not padded to splits * per tiles). scale: multiply by SCB * f32(1/127) (s_ref holds SCB)
+    and write out_dtype here (one K split) instead of fp32 partials."""
     cdt = x_ref.dtype
     prec = _precision(cdt)
     bm = x_ref.shape[0]
     xmask = None if m == bm else lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < m
+    first = pl.program_id(1) * per
+    trips = per if nk % per == 0 else jnp.minimum(per, nk - first)
 
-    def body(k, acc):
-        ks = pl.ds(pl.multiple_of(k * bk, bk), bk)
+    def body(t, acc):
+        ks = pl.ds(pl.multiple_of((first + t) * bk, bk), bk)
         w = cb_ref[:, ks].astype(cdt)
         if xmask is None:
             x = x_ref[:, ks]
         else:
             x = _masked_load(x_ref.at[:, ks], mask=xmask, other=jnp.zeros((), cdt))
-        return acc + lax.dot_general(x, w, _NT, precision=prec,
-                                     preferred_element_type=jnp.float32)
+        return acc + _oriented_dot(x, w, weight_left, prec)
 
-    acc = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32))
+    bn = o_ref.shape[1]
+    acc = lax.fori_loop(0, trips, body,
+                        jnp.zeros((bn, bm) if weight_left else (bm, bn), jnp.float32))
+    if weight_left:
+        acc = acc.T
     if scale:
         acc = acc * (s_ref[...] * INV127)  # (1, bn) f32, as _row_scale
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -288,9 +324,9 @@ def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, m, scale):
 @functools.partial(
     jax.jit,
     static_argnames=("out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
-                     "num_stages"))
+                     "num_stages", "weight_left"))
 def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=None,
-                       block_k=None, splits=None, num_warps=4, num_stages=3):
+                       block_k=None, splits=None, num_warps=4, num_stages=3, weight_left=False):
     """Small-M (M <= 64) form of `matmul_int8` (epilogue scaling): grid (N tiles, K splits), each
     program streams its (block_n, K/splits) slice of CB once against all M rows (x padded to
     16..64 rows in registers: rows beyond M are masked in the load). With one split, SCB/127 is applied and out_dtype written in the kernel; with
@@ -299,6 +335,9 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
 
     Defaults from an H200 sweep (benchmarks/int8_sweep.py, M = 1 and 16 on the protocol shapes):
     64 x 256 tiles; one split once N / 64 >= 128 tiles (a wave of programs), else ~256 programs.
+    When the split count does not divide the K tiles the last split is shorter (CB is not padded).
+    `weight_left` (CB tile as the MMA's left operand) measured slower at M <= 16 in every cell of
+    the session-11 sweep (`--part orient`); kept as an option for comparison.
     """
     _check_weight("matmul_int8_splitk", x, cb, scb, 1, "x")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
@@ -309,8 +348,8 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
     bm = _clamp_block(m, 16, 64)
-    bn = _check_block("block_n", block_n or _clamp_block(n, 16, 64))
-    bk = _check_block("block_k", block_k or _clamp_block(k, 32, 256))
+    bn = _check_block("block_n", block_n or _divisor_block(n, 16, 64))
+    bk = _check_block("block_k", block_k or _divisor_block(k, 32, 256))
     np_ = _round_up(n, bn)
     n_tiles = np_ // bn
     nk_total = -(-k // bk)
@@ -318,19 +357,20 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
         splits = 1 if n_tiles >= 128 else max(1, min(nk_total // 2, -(-256 // n_tiles)))
     splits = int(max(1, min(int(splits), nk_total)))
     per = -(-nk_total // splits)
-    splits = -(-nk_total // per)  # drop empty splits
-    kp = splits * per * bk
+    splits = -(-nk_total // per)  # drop empty splits; the last may hold fewer than `per` tiles
+    kp = nk_total * bk  # == K unless block_k does not divide K
     scale = splits == 1
     xp = _pad2(x, m, kp)  # rows stay unpadded: the kernel masks rows >= m
     cbp = _pad2(cb, np_, kp)
     s = _pad1(scb.astype(jnp.float32), np_)[None, :]
     part = pl.pallas_call(
-        functools.partial(_splitk_kernel, nk=per, bk=bk, m=m, scale=scale),
+        functools.partial(_splitk_kernel, per=per, nk=nk_total, bk=bk, m=m, scale=scale,
+                          weight_left=weight_left),
         out_shape=jax.ShapeDtypeStruct((splits * bm, np_), out_dtype if scale else jnp.float32),
         grid=(n_tiles, splits),
         in_specs=[
-            pl.BlockSpec((bm, per * bk), lambda j, s: (0, s)),
-            pl.BlockSpec((bn, per * bk), lambda j, s: (j, s)),
+            pl.BlockSpec((bm, kp), lambda j, s: (0, 0)),
+            pl.BlockSpec((bn, kp), lambda j, s: (j, 0)),
             pl.BlockSpec((1, bn), lambda j, s: (0, j)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda j, s: (s, j)),
@@ -378,8 +418,8 @@ def matmul_int8_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None,
     if m == 0 or k == 0:
         return jnp.zeros((m, k), out_dtype)
     bm = _check_block("block_m", block_m or _clamp_block(m, 16, 128))
-    bn = _check_block("block_n", block_n or _clamp_block(n, 32, 64))
-    bk = _check_block("block_k", block_k or _clamp_block(k, 16, 128))
+    bn = _check_block("block_n", block_n or _divisor_block(n, 32, 64))
+    bk = _check_block("block_k", block_k or _divisor_block(k, 16, 128))
     mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
     dyp = _pad2(dy, mp, np_)
     cbp = _pad2(cb, np_, kp)
@@ -421,8 +461,8 @@ def dequantize_int8(cb, scb, *, out_dtype=jnp.float32, interpret=False, block_n=
     n, k = cb.shape
     if n == 0 or k == 0:
         return jnp.zeros((n, k), out_dtype)
-    bn = _check_block("block_n", min(block_n, _clamp_block(n, 16, block_n)))
-    bk = _check_block("block_k", min(block_k, _clamp_block(k, 32, block_k)))
+    bn = _divisor_block(n, 16, _check_block("block_n", block_n))
+    bk = _divisor_block(k, 32, _check_block("block_k", block_k))
     np_, kp = _round_up(n, bn), _round_up(k, bk)
     s = _pad1(scb.astype(jnp.float32), np_)[:, None]
     out = pl.pallas_call(

@@ -425,7 +425,8 @@ def test_dequantize_int8_kernel_is_bitwise_the_reference(n, k, dtype, seed):
 @pytest.mark.parametrize("m,splits", [(1, 1), (1, 3), (5, 1), (5, 3)])
 def test_small_m_kernels_with_and_without_k_splits(m, splits):
     """One K split scales and writes out_dtype in the kernel; several sum fp32 partials in XLA
-    (K = 200 in 32-column tiles: 7 tiles, so 3 splits also pad K)."""
+    (K = 200 in 32-column tiles: 7 tiles, K padded to 224; 3 splits take 3, 3 and 1 tiles, the
+    last one's shorter loop a dynamic trip count)."""
     rng = np.random.default_rng(20 + m + splits)
     cb, scb = _weight(rng, N, K)
     cbj, scbj = jnp.asarray(cb), jnp.asarray(scb)
@@ -537,6 +538,11 @@ def test_kernels_lower_for_triton(lower_for_triton):
         "int8_weight_only_dq": (lambda a, b, c: mi.matmul_int8(a, b, c, dequant="tile"),
                                 (x, cb, scb)),
         "int8_weight_only_splitk": (lambda a, b, c: mi.matmul_int8_splitk(a, b, c), (xs, cb, scb)),
+        "int8_weight_only_weight_left": (
+            lambda a, b, c: mi.matmul_int8(a, b, c, weight_left=True), (x, cb, scb)),
+        "int8_weight_only_splitk_weight_left": (
+            lambda a, b, c: mi.matmul_int8_splitk(a, b, c, splits=2, weight_left=True),
+            (xs, cb, scb)),
         "int8_weight_only_gemv": (lambda a, b, c: mg.matmul_int8_gemv(a, b, c), (jax.ShapeDtypeStruct((3, k), dt), cb, scb)),
         "int8_weight_only_gemv_splits": (
             lambda a, b, c: mg.matmul_int8_gemv(a, b, c, block_k=64, splits=5, reduce_at_end=True),

@@ -300,6 +300,46 @@ def test_auto_plan_on_a_gpu_follows_the_measured_defaults(monkeypatch):
     assert backends.choose_plan(qs["nf4"], 1, "xla") == backends.Plan("xla")
 
 
+def _weight_sized_copies(jaxpr, size):
+    """(primitive, shape) of every pad / slice / concatenate in `jaxpr` (sub-jaxprs included)
+    whose output has at least `size` elements."""
+    found = []
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name in ("pad", "slice", "concatenate"):
+                if max(v.aval.size for v in e.outvars) >= size:
+                    found.append((e.primitive.name, tuple(e.outvars[0].aval.shape)))
+            for p in e.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else [p]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("k,n", [(11008, 4096), (18944, 3584), (3584, 3584), (13824, 5120)])
+@pytest.mark.parametrize("m", [1, 48, 2048])
+def test_kernel_paths_do_not_copy_real_checkpoint_weights(kind, k, n, m):
+    """In and out features of real checkpoints (Llama-2 7B/13B MLP, Qwen2.5-7B) through the
+    kernels `auto` picks on a GPU, forward and backward: no pad or slice of a weight-sized array.
+    The INT8 split-K kernel padded a (4096, 11008) CB to 11264 columns on every call (its K splits
+    did not divide the 43 K tiles), and the INT8 dequant kernel's 512-column tiles did the same."""
+    w = jax.ShapeDtypeStruct((n, k), jnp.bfloat16)
+    q = jax.eval_shape(lambda w: quant.quantize_int8(w) if kind == "int8"
+                       else quant.quantize_4bit(w, "nf4", 64, True), w)
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+
+    def fwd_bwd(x, q):
+        y, pull = jax.vjp(lambda x: ops.qmatmul(x, q, backend=KB), x)
+        return y, pull(jnp.ones_like(y))
+
+    assert _weight_sized_copies(jax.make_jaxpr(fwd_bwd)(x, q), n * k // 8) == []
+
+
 def test_variant_choice_is_explicit():
     _, qs = _weights(64, 128)
     x = jnp.ones((4, 128))
