@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from benchmarks import matmul_bench
+from benchmarks import matmul_bench, target_status
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 
@@ -92,6 +92,7 @@ def markdown(res: dict) -> str:
     if res.get("memory"):
         lines += ["## memory: fwd+bwd through a stack of NF4 layers", "", "```",
                   json.dumps(res["memory"], indent=1), "```", ""]
+    lines.append(target_status.markdown(res))
     return "\n".join(lines)
 
 
