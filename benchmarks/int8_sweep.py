@@ -132,9 +132,9 @@ def orient(record, budget):
                     kernels.append(("tiled", matmul_int8, dict(
                         block_m=min(bm, m), block_n=bn, block_k=bk, num_warps=nw,
                         num_stages=ns, weight_left=wl)))
-            for what, fn, cfg in kernels:
+            for i, (what, fn, cfg) in enumerate(kernels):
                 if time.time() - t0 > budget and cfg:
-                    record(**cell, what="budget spent", skipped=len(kernels))
+                    record(**cell, what="budget spent", skipped=len(kernels) - i)
                     break
                 us = us_per_product(lambda xs, qs, fn=fn, cfg=cfg: [fn(a, q.cb, q.scb, **cfg) for a, q in zip(xs, qs)],
                                     (xs, qs), copies)

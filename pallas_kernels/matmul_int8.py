@@ -205,9 +205,8 @@ def _oriented_dot(x, w, weight_left: bool, precision):
     operand (`weight_left`). The weight is converted in registers; on Hopper only the left
     operand of a warpgroup MMA may come from registers, so the weight-left form lets the MMA take
     it there instead of through shared memory. The caller transposes the accumulator at the end."""
-    if weight_left:
-        return lax.dot_general(w, x, _NT, precision=precision, preferred_element_type=jnp.float32)
-    return lax.dot_general(x, w, _NT, precision=precision, preferred_element_type=jnp.float32)
+    lhs, rhs = (w, x) if weight_left else (x, w)
+    return lax.dot_general(lhs, rhs, _NT, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _wo_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, dequant, weight_left):
