@@ -153,9 +153,34 @@ def _check_lora(lora, n, k):
     return a, b, scale
 
 
+# ---- a dense frozen weight (lm_head, tied embeddings, unquantized base layers) -----------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _frozen_dense(out_dtype: str, x, w):
+    return _dot_nt(x, w).astype(out_dtype)
+
+
+def _frozen_dense_fwd(out_dtype, x, w):
+    return _frozen_dense(out_dtype, x, w), w
+
+
+def _frozen_dense_bwd(out_dtype, w, dy):
+    # dy arrives in the compute dtype. Differentiating `_dot_nt(x, w).astype(cd)` instead hands
+    # the transposed dot a float32 cotangent (the convert's transpose), so XLA widens W to float32
+    # and runs a float32 GEMM: for the LM head of an 8B step, 14.9 ms at 144 TFLOP/s (H200,
+    # benchmarks/results README, session 10). dy's values are exact in its own dtype, so this is
+    # the same products, accumulated in float32 as before.
+    return _dot_nn(dy, w).astype(out_dtype), jnp.zeros_like(w)
+
+
+_frozen_dense.defvjp(_frozen_dense_fwd, _frozen_dense_bwd)
+
+
 def _dense(x2, w, cd, lora):
-    y = _dot_nt(x2, w)
+    """Frozen dense product (+ LoRA, its term rounded to the compute dtype before the sum, as in
+    the quantized path)."""
+    y = _frozen_dense(cd.name, x2, w)
     if lora is not None:
         a, b, scale = _check_lora(lora, *w.shape)
-        y = y + scale * _dot_nt(_dot_nt(x2, a.astype(cd)).astype(cd), b.astype(cd))
-    return y.astype(cd)
+        y = y + (scale * _dot_nt(_dot_nt(x2, a.astype(cd)).astype(cd), b.astype(cd))).astype(cd)
+    return y
