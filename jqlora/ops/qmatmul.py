@@ -1,5 +1,8 @@
 """qmatmul: y = x @ W.T (+ LoRA) for a quantized W, with a custom_vjp that re-dequantizes.
 
+A frozen dense W (lm_head, tied embeddings, an unquantized base) goes through the same custom_vjp,
+so its backward runs in the compute dtype too.
+
 Invariants (DESIGN.md): the compute dtype is an argument (default: x's dtype), never the
 checkpoint's stored dtype; inputs of any rank are flattened to 2-D here and only here; the
 backward pass saves the packed weight and its scales (plus x, A, B and x @ A.T for LoRA) and
@@ -39,18 +42,34 @@ def _zero_cotangent(q):
 
 # ---- without LoRA ---------------------------------------------------------------------------
 
+def _weight_forward(st: _Static, x, q):
+    """x @ W.T in the compute dtype, for a quantized or a frozen dense W."""
+    if isinstance(q, (Weight4bit, Int8Weight)):
+        return forward_product(st.plan, x, q, out_dtype=st.out_dtype, numerics=st.numerics)
+    return _dot_nt(x, q).astype(st.out_dtype)
+
+
+def _weight_backward(st: _Static, dy, q, out_dtype):
+    """dy @ W. A custom backward for the dense case too: autodiff of `dot(x, w, f32).astype(cd)`
+    hands the transposed dot a float32 cotangent, so XLA widens W to float32 and runs a float32
+    GEMM (an 8B LM head's backward: 14.8 ms at 144 TFLOP/s on an H200, against 2.8 ms in bf16;
+    benchmarks/results README, session 12). dy's values are exact in the compute dtype."""
+    if isinstance(q, (Weight4bit, Int8Weight)):
+        return backward_product(st.plan, dy, q, out_dtype=out_dtype)
+    return _dot_nn(dy, q).astype(out_dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _base(st: _Static, x, q):
-    return forward_product(st.plan, x, q, out_dtype=st.out_dtype, numerics=st.numerics)
+    return _weight_forward(st, x, q)
 
 
 def _base_fwd(st, x, q):
-    return _base(st, x, q), q  # residuals: the packed weight and scales only
+    return _base(st, x, q), q  # residuals: the packed weight and scales only (or the frozen dense W)
 
 
 def _base_bwd(st, q, dy):
-    dx = backward_product(st.plan, dy, q, out_dtype=dy.dtype)
-    return dx, _zero_cotangent(q)
+    return _weight_backward(st, dy, q, dy.dtype), _zero_cotangent(q)
 
 
 _base.defvjp(_base_fwd, _base_bwd)
@@ -68,7 +87,7 @@ def _with_lora_fwd(st, scale, x, q, a, b):
     # float32 (M, N) base + float32 LoRA term then one rounding cost two float32 (M, N) writes
     # and reads per layer: 12 of the 235 ms of kernels in an 8B training step on an H200
     # (benchmarks/results README, session 10).
-    base = forward_product(st.plan, x, q, out_dtype=st.out_dtype, numerics=st.numerics)
+    base = _weight_forward(st, x, q)
     xa = _dot_nt(x, a).astype(x.dtype)  # (M, r): the only LoRA activation kept for backward
     y = base + (scale * _dot_nt(xa, b)).astype(st.out_dtype)
     return y, (x, q, a, b, xa)
@@ -77,10 +96,14 @@ def _with_lora_fwd(st, scale, x, q, a, b):
 def _with_lora_bwd(st, scale, res, dy):
     x, q, a, b, xa = res
     acc = acc_dtype(dy, x)
-    u = _dot_nn(dy, b)  # (M, r) = dY B, contracted through the rank first
-    dx = backward_product(st.plan, dy, q, out_dtype=x.dtype) + (scale * _dot_nn(u, a.astype(acc))).astype(x.dtype)
+    # (M, r) = dY B, contracted through the rank first, then rounded to the compute dtype as
+    # PEFT's bf16 backward rounds it. Kept in float32, it made dx's LoRA term and dA float32
+    # GEMMs at HIGHEST precision over an (M, K) activation: 9.6 ms of an 8B training step at
+    # 0.5-1.1 TB/s on an H200 (benchmarks/results README, session 12). float32 stays float32.
+    u = _dot_nn(dy, b).astype(dy.dtype)
+    dx = _weight_backward(st, dy, q, x.dtype) + (scale * _dot_nn(u, a)).astype(x.dtype)
     tn = (((0,), (0,)), ((), ()))  # contract over the rows M
-    da = scale * jax.lax.dot_general(u, x.astype(acc), tn, precision=jax.lax.Precision.HIGHEST)  # s U^T X
+    da = scale * jax.lax.dot_general(u, x, tn, precision=_precision(u, x), preferred_element_type=acc)  # s U^T X
     db = scale * jax.lax.dot_general(dy, xa, tn, precision=_precision(dy, xa), preferred_element_type=acc)
     return dx, _zero_cotangent(q), da.astype(a.dtype), db.astype(b.dtype)
 
@@ -129,12 +152,10 @@ def qmatmul(
     x2 = x.reshape(-1, k).astype(cd)  # the one place where N-D inputs become 2-D
     m = x2.shape[0]
     if not quantized:
-        q = jax.lax.stop_gradient(jnp.asarray(q))
+        q = jax.lax.stop_gradient(jnp.asarray(q)).astype(cd)
     plan = choose_plan(q, m, backend, variant=variant, numerics=numerics)
     st = _Static(plan, numerics, cd.name)
-    if not quantized:
-        y = _dense(x2, q.astype(cd), cd, lora)
-    elif lora is None:
+    if lora is None:
         y = _base(st, x2, q)
     else:
         a, b, scale = _check_lora(lora, n, k)
@@ -151,36 +172,3 @@ def _check_lora(lora, n, k):
         raise ValueError(f"LoRA shapes A {a.shape}, B {b.shape} do not fit a weight (out={n}, in={k}): "
                          f"expected A (r, {k}) and B ({n}, r)")
     return a, b, scale
-
-
-# ---- a dense frozen weight (lm_head, tied embeddings, unquantized base layers) -----------------
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _frozen_dense(out_dtype: str, x, w):
-    return _dot_nt(x, w).astype(out_dtype)
-
-
-def _frozen_dense_fwd(out_dtype, x, w):
-    return _frozen_dense(out_dtype, x, w), w
-
-
-def _frozen_dense_bwd(out_dtype, w, dy):
-    # dy arrives in the compute dtype. Differentiating `_dot_nt(x, w).astype(cd)` instead hands
-    # the transposed dot a float32 cotangent (the convert's transpose), so XLA widens W to float32
-    # and runs a float32 GEMM: for the LM head of an 8B step, 14.9 ms at 144 TFLOP/s (H200,
-    # benchmarks/results README, session 10). dy's values are exact in its own dtype, so this is
-    # the same products, accumulated in float32 as before.
-    return _dot_nn(dy, w).astype(out_dtype), jnp.zeros_like(w)
-
-
-_frozen_dense.defvjp(_frozen_dense_fwd, _frozen_dense_bwd)
-
-
-def _dense(x2, w, cd, lora):
-    """Frozen dense product (+ LoRA, its term rounded to the compute dtype before the sum, as in
-    the quantized path)."""
-    y = _frozen_dense(cd.name, x2, w)
-    if lora is not None:
-        a, b, scale = _check_lora(lora, *w.shape)
-        y = y + (scale * _dot_nt(_dot_nt(x2, a.astype(cd)).astype(cd), b.astype(cd))).astype(cd)
-    return y
