@@ -126,8 +126,8 @@ def test_frozen_weight_gets_zero_cotangent():
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_lora_bf16_output_is_the_sum_of_two_rounded_branches(kind):
     """In bf16 the base product and the LoRA term are each rounded to bf16, then added (PEFT's
-    order); the gradient w.r.t. x likewise, with dY B rounded to bf16 as PEFT's backward rounds
-    it. No float32 (M, N) intermediate is formed."""
+    order); the gradient w.r.t. x likewise (dY B enters as a bf16 hi/lo pair). No float32
+    (M, N) intermediate is formed."""
     _, qs = _weights()
     a, b = _lora(48, 128)
     x = jax.random.normal(jax.random.key(4), (6, 128), jnp.float32).astype(jnp.bfloat16)
@@ -141,8 +141,11 @@ def test_lora_bf16_output_is_the_sum_of_two_rounded_branches(kind):
     dy = jax.random.normal(jax.random.key(5), (6, 48), jnp.float32).astype(jnp.bfloat16)
     dx = jax.vjp(lambda x: ops.qmatmul(x, qs[kind], lora=(a, b, 0.5), backend="xla"), x)[1](dy)[0]
     dx_base = jax.vjp(lambda x: ops.qmatmul(x, qs[kind], backend="xla"), x)[1](dy)[0]
-    u = jnp.dot(dy, b16, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    dx_term = (0.5 * jnp.dot(u, a16, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+    u = jnp.dot(dy, b16, preferred_element_type=jnp.float32)
+    hi = u.astype(jnp.bfloat16)  # dY B as a bf16 pair: bf16 GEMMs, about 16 bits of u
+    lo = (u - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    dx_term = (0.5 * (jnp.dot(hi, a16, preferred_element_type=jnp.float32)
+                      + jnp.dot(lo, a16, preferred_element_type=jnp.float32))).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_base + dx_term, np.float32))
 
 

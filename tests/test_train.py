@@ -378,6 +378,70 @@ def test_resume_after_interruption_is_exact(tmp_path, tok_path):
     assert T.train(StubLM(dropout=0.2), cfg_b, resume=True).steps == []
 
 
+class _RecordingStep:
+    """Stands in for `loop.train_step`: records each dispatch and each read of a step's loss."""
+
+    def __init__(self, real, events):
+        self.real, self.events = real, events
+
+    def bind(self, *objects):
+        bound = self.real.bind(*objects)
+        events = self.events
+
+        class Read:
+            def __init__(self, value, n, key):
+                self.value, self.n, self.key = value, n, key
+
+            def item(self):
+                if self.key == "loss":
+                    events.append(("read", self.n))
+                return np.asarray(self.value).item()
+
+        def step(batch):
+            n = sum(1 for e in events if e[0] == "dispatch") + 1
+            events.append(("dispatch", n))
+            return {k: Read(v, n, k) for k, v in bound(batch).items()}
+
+        return step
+
+
+def test_host_reads_each_step_after_dispatching_the_next_except_at_boundaries(tmp_path, tok_path,
+                                                                              monkeypatch):
+    """Without on_step the host reads step N's metrics after dispatching step N + 1, so its own
+    per-step work overlaps the device's; a checkpoint step and the last step are finished before
+    anything else is dispatched. Losses, checkpoints and final LoRA params equal a run with an
+    on_step callback, where every step is finished before the next."""
+    from jqlora.train import loop as loop_mod
+
+    data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(16))
+    kw = dict(steps=7, save_every=3, keep_checkpoints=None, batch_size=2)
+    events = []
+    monkeypatch.setattr(loop_mod, "train_step", _RecordingStep(loop_mod.train_step, events))
+    piped = StubLM(dropout=0.1)
+    rp = T.train(piped, base_config(tmp_path, tok_path, data, out_dir=str(tmp_path / "p"), **kw))
+    d, r = "dispatch", "read"
+    assert events == [(d, 1), (d, 2), (r, 1), (d, 3), (r, 2), (r, 3),  # step 3 saves a checkpoint
+                      (d, 4), (d, 5), (r, 4), (d, 6), (r, 5), (r, 6), (d, 7), (r, 7)]
+    events.clear()
+    synced = StubLM(dropout=0.1)
+    rs = T.train(synced, base_config(tmp_path, tok_path, data, out_dir=str(tmp_path / "s"), **kw),
+                 on_step=lambda s, m: None)
+    assert events == [e for n in range(1, 8) for e in ((d, n), (r, n))]
+    assert rp.losses == rs.losses and rp.grad_norms == rs.grad_norms
+    for a, b in zip(lora_arrays(piped), lora_arrays(synced)):
+        np.testing.assert_array_equal(a, b)
+    for name in ("step_00000003", "step_00000006", "step_00000007"):
+        restored = []
+        for run in ("p", "s"):
+            m = StubLM(dropout=0.1)
+            opt = nnx.Optimizer(m, T.make_optimizer(1e-2, 2, 7), wrt=nnx.LoRAParam)
+            _, step = T.restore_checkpoint(tmp_path / run / "checkpoints" / name, m, opt)
+            assert step == int(name[5:])
+            restored.append(lora_arrays(m))
+        for a, b in zip(*restored):
+            np.testing.assert_array_equal(a, b)
+
+
 class PoisonAt:
     """Wraps a BatchIterator; the n-th batch drawn (1-based) gets a NaN in its loss mask."""
 

@@ -77,6 +77,19 @@ _base.defvjp(_base_fwd, _base_bwd)
 
 # ---- with LoRA: y = x W^T + s (x A^T) B^T ---------------------------------------------------
 
+def _hi_lo(u, dtype):
+    """A float32 (M, r) as (M, 2r) in a 2-byte dtype: [round(u), round(u - round(u))], so the GEMMs
+    over an (M, K) activation that contract u run on bf16 operands at nearly float32 accuracy
+    (about 16 bits of u). As one float32 operand, dx's LoRA term and dA were HIGHEST-precision
+    float32 GEMMs: 9.6 ms of an 8B training step at 0.5-1.1 TB/s on an H200; u rounded once to
+    bf16 (as PEFT's backward rounds it) made them fast but moved a cuDNN-vs-einsum LoRA gradient
+    check from under 5% to 6.5% (benchmarks/results README, session 12). Wider dtypes pass through."""
+    if jnp.dtype(dtype).itemsize != 2:
+        return u
+    hi = u.astype(dtype)
+    return jnp.concatenate([hi, (u - hi.astype(u.dtype)).astype(dtype)], axis=1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _with_lora(st: _Static, scale: float, x, q, a, b):
     return _with_lora_fwd(st, scale, x, q, a, b)[0]
@@ -96,14 +109,13 @@ def _with_lora_fwd(st, scale, x, q, a, b):
 def _with_lora_bwd(st, scale, res, dy):
     x, q, a, b, xa = res
     acc = acc_dtype(dy, x)
-    # (M, r) = dY B, contracted through the rank first, then rounded to the compute dtype as
-    # PEFT's bf16 backward rounds it. Kept in float32, it made dx's LoRA term and dA float32
-    # GEMMs at HIGHEST precision over an (M, K) activation: 9.6 ms of an 8B training step at
-    # 0.5-1.1 TB/s on an H200 (benchmarks/results README, session 12). float32 stays float32.
-    u = _dot_nn(dy, b).astype(dy.dtype)
-    dx = _weight_backward(st, dy, q, x.dtype) + (scale * _dot_nn(u, a)).astype(x.dtype)
+    r = a.shape[0]
+    u = _hi_lo(_dot_nn(dy, b), x.dtype)  # (M, r) = dY B, contracted through the rank first
+    a2 = jnp.concatenate([a, a]) if u.shape[1] == 2 * r else a
+    dx = _weight_backward(st, dy, q, x.dtype) + (scale * _dot_nn(u, a2)).astype(x.dtype)
     tn = (((0,), (0,)), ((), ()))  # contract over the rows M
-    da = scale * jax.lax.dot_general(u, x, tn, precision=_precision(u, x), preferred_element_type=acc)  # s U^T X
+    da = jax.lax.dot_general(u, x, tn, precision=_precision(u, x), preferred_element_type=acc)  # U^T X
+    da = scale * (da[:r] + da[r:] if u.shape[1] == 2 * r else da)
     db = scale * jax.lax.dot_general(dy, xa, tn, precision=_precision(dy, xa), preferred_element_type=acc)
     return dx, _zero_cotangent(q), da.astype(a.dtype), db.astype(b.dtype)
 
