@@ -214,23 +214,22 @@ def test_dense_weight_is_frozen_and_works():
     assert float(jnp.abs(gw).max()) == 0.0
 
 
+def _all_eqns(jaxpr):
+    """Every equation of a (closed) jaxpr, those of its sub-jaxprs (custom_vjp, pjit, ...) included."""
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
 def _dot_operand_dtypes(jaxpr):
     """(lhs dtype, rhs dtype, lhs shape, rhs shape) of every dot_general in `jaxpr`, sub-jaxprs included."""
-    found = []
-
-    def walk(j):
-        for e in j.eqns:
-            if e.primitive.name == "dot_general":
-                a, b = (v.aval for v in e.invars)
-                found.append((a.dtype, b.dtype, a.shape, b.shape))
-            for p in e.params.values():
-                for sub in p if isinstance(p, (list, tuple)) else [p]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jaxpr.jaxpr)
-    return found
+    return [(a.dtype, b.dtype, a.shape, b.shape)
+            for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+            for a, b in [(v.aval for v in e.invars)]]
 
 
 @pytest.mark.parametrize("kind", ["dense", "nf4", "int8"])
@@ -372,21 +371,9 @@ def test_auto_plan_on_a_gpu_follows_the_measured_defaults(monkeypatch):
 def _weight_sized_copies(jaxpr, size):
     """(primitive, shape) of every pad / slice / concatenate in `jaxpr` (sub-jaxprs included)
     whose output has at least `size` elements."""
-    found = []
-
-    def walk(j):
-        for e in j.eqns:
-            if e.primitive.name in ("pad", "slice", "concatenate"):
-                if max(v.aval.size for v in e.outvars) >= size:
-                    found.append((e.primitive.name, tuple(e.outvars[0].aval.shape)))
-            for p in e.params.values():
-                for sub in p if isinstance(p, (list, tuple)) else [p]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jaxpr.jaxpr)
-    return found
+    return [(e.primitive.name, tuple(e.outvars[0].aval.shape)) for e in _all_eqns(jaxpr.jaxpr)
+            if e.primitive.name in ("pad", "slice", "concatenate")
+            and max(v.aval.size for v in e.outvars) >= size]
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
