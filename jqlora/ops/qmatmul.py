@@ -110,12 +110,13 @@ def _with_lora_bwd(st, scale, res, dy):
     x, q, a, b, xa = res
     acc = acc_dtype(dy, x)
     r = a.shape[0]
-    u = _hi_lo(_dot_nn(dy, b), x.dtype)  # (M, r) = dY B, contracted through the rank first
-    a2 = jnp.concatenate([a, a]) if u.shape[1] == 2 * r else a
-    dx = _weight_backward(st, dy, q, x.dtype) + (scale * _dot_nn(u, a2)).astype(x.dtype)
+    u = _hi_lo(_dot_nn(dy, b), x.dtype)  # dY B (M, r), contracted through the rank first
+    paired = u.shape[1] == 2 * r  # (M, 2r): a bf16 hi/lo pair, contracted against A twice
+    dx = (_weight_backward(st, dy, q, x.dtype)
+          + (scale * _dot_nn(u, jnp.concatenate([a, a]) if paired else a)).astype(x.dtype))
     tn = (((0,), (0,)), ((), ()))  # contract over the rows M
     da = jax.lax.dot_general(u, x, tn, precision=_precision(u, x), preferred_element_type=acc)  # U^T X
-    da = scale * (da[:r] + da[r:] if u.shape[1] == 2 * r else da)
+    da = scale * (da[:r] + da[r:] if paired else da)
     db = scale * jax.lax.dot_general(dy, xa, tn, precision=_precision(dy, xa), preferred_element_type=acc)
     return dx, _zero_cotangent(q), da.astype(a.dtype), db.astype(b.dtype)
 
