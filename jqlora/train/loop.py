@@ -17,7 +17,6 @@ Outputs in ``out_dir``: ``loss.csv`` (step, loss, lr, tokens_per_s: one row per 
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import os
 import sys
@@ -35,6 +34,7 @@ from flax import nnx
 
 from .checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
 from .frozen_jit import frozen_jit
+from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, CsvLog, write_loss_plot
 from .data import (BatchIterator, Example, check_tokenizer_fits, load_jsonl, load_tokenizer,
                    parse_example, special_tokens, tokenize_examples)
 from .optim import make_optimizer, make_schedule
@@ -42,9 +42,6 @@ from .optim import make_optimizer, make_schedule
 __all__ = ["TrainConfig", "TrainResult", "NonFiniteLossError", "train", "make_train_step", "write_loss_plot",
            "evaluate", "masked_cross_entropy"]
 
-CSV_NAME = "loss.csv"
-PNG_NAME = "loss.png"
-EVAL_CSV_NAME = "eval.csv"
 CKPT_DIR = "checkpoints"
 
 
@@ -343,78 +340,6 @@ def _apply_remat(model, remat) -> None:
                   "mutable config.remat field: training without rematerialization", stacklevel=3)
 
 
-class _CsvLog:
-    def __init__(self, path: Path, header: Sequence[str], keep_upto: int | None):
-        self.path = path
-        rows: list[list[str]] = []
-        if keep_upto is not None and path.is_file():
-            with open(path, newline="") as f:
-                r = list(csv.reader(f))
-            for row in r[1:]:
-                try:
-                    if int(row[0]) <= keep_upto:
-                        rows.append(row)
-                except (ValueError, IndexError):
-                    continue
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(header)
-            w.writerows(rows)
-        os.replace(tmp, path)
-        self._f = open(path, "a", newline="")
-        self._w = csv.writer(self._f)
-
-    def write(self, row: Sequence) -> None:
-        self._w.writerow(row)
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-def _read_csv(path: Path) -> tuple[list[int], list[list[float]]]:
-    steps, cols = [], []
-    if not path.is_file():
-        return steps, cols
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))[1:]
-    for row in rows:
-        try:
-            steps.append(int(row[0]))
-            cols.append([float(x) for x in row[1:]])
-        except (ValueError, IndexError):
-            continue
-    return steps, cols
-
-
-def write_loss_plot(out_dir: Path) -> Path | None:
-    """Draw ``loss.png`` (train loss, and eval loss if any) from the CSVs in ``out_dir``."""
-    steps, cols = _read_csv(out_dir / CSV_NAME)
-    if not steps:
-        return None
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot(steps, [c[0] for c in cols], label="train loss", lw=1.2)
-    esteps, ecols = _read_csv(out_dir / EVAL_CSV_NAME)
-    if esteps:
-        ax.plot(esteps, [c[0] for c in ecols], "o-", label="eval loss", lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = out_dir / PNG_NAME
-    tmp = out_dir / (PNG_NAME + ".tmp.png")
-    fig.savefig(tmp)
-    os.replace(tmp, path)
-    return path
-
-
 def _commit(obj) -> None:
     """Commit every array of ``obj``'s state to its current sharding (no copy). The train step's
     outputs are committed; without this the first step sees uncommitted inputs and the second
@@ -501,9 +426,9 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
     # would wait for whenever the host has nothing queued (at checkpoints, evals, with on_step)
     step_fn = train_step.bind(model, optimizer)
 
-    log = _CsvLog(out_dir / CSV_NAME, ["step", "loss", "lr", "tokens_per_s"],
+    log = CsvLog(out_dir / CSV_NAME, ["step", "loss", "lr", "tokens_per_s"],
                   keep_upto=start if resumed_from is not None else None)
-    eval_log = (_CsvLog(out_dir / EVAL_CSV_NAME, ["step", "eval_loss"],
+    eval_log = (CsvLog(out_dir / EVAL_CSV_NAME, ["step", "eval_loss"],
                         keep_upto=start if resumed_from is not None else None)
                 if eval_it is not None else None)
     result = TrainResult(step=start, steps=[], losses=[], lrs=[], grad_norms=[],
