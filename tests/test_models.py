@@ -475,7 +475,7 @@ def test_cudnn_attention_matches_einsum_in_bf16(arch, saved):
     gradients as the einsum path, up to bf16 rounding, with nothing non-finite on real tokens.
     "Up to bf16 rounding" for the gradients: within 5%, or within twice the distance between the
     einsum path in bf16 and in float32 (the bf16 LM head backward rounds dlogits to bf16, as
-    torch does; that alone moved one mistral gradient from under 5% to 5.6%, H200, session 12)."""
+    torch does; with it one mistral gradient went from under 5% to 5.6%, H200, session 12)."""
     ref, fused, ids, seg, real, grads = _attention_pair(saved, arch, jnp.bfloat16, "cudnn")
     for kw in ({}, {"segment_ids": jnp.asarray(seg)}):
         f = nnx.jit(lambda m, x: m(x, **kw).astype(jnp.float32))
