@@ -456,12 +456,17 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
                                             keep=config.keep_checkpoints,
                                             extra={"train_config": dataclasses.asdict(config)})
 
+    def saves_at(step) -> bool:
+        return bool(config.save_every and step % config.save_every == 0) or step == config.steps
+
+    def evaluates_at(step) -> bool:
+        return bool(eval_it is not None and config.eval_every
+                    and (step % config.eval_every == 0 or step == config.steps))
+
     def must_finish_now(step) -> bool:
         """A step whose end state the host must see before the next dispatch: a checkpoint, an
-        eval, the last step, or every step when ``on_step`` may stop the run or inspect the model."""
-        return (on_step is not None or step == config.steps
-                or bool(config.save_every and step % config.save_every == 0)
-                or bool(eval_it is not None and config.eval_every and step % config.eval_every == 0))
+        eval, or every step when ``on_step`` may stop the run or inspect the model."""
+        return on_step is not None or saves_at(step) or evaluates_at(step)
 
     t_prev = window_t0 = 0.0
     window_tokens = 0
@@ -489,8 +494,7 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
             log.write([step, repr(m["loss"]), repr(m["lr"]),
                        f"{window_tokens / max(now - window_t0, 1e-9):.2f}"])
             window_tokens, window_t0 = 0, now
-        if eval_it is not None and config.eval_every and (
-                step % config.eval_every == 0 or step == config.steps):
+        if evaluates_at(step):
             ev = evaluate(model, eval_it.eval_batches(), max_batches=config.eval_max_batches)
             result.eval_losses.append((step, ev))
             eval_log.write([step, repr(ev)])
@@ -499,7 +503,7 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tps:,.0f}", lr=f"{m['lr']:.2e}")
         saved = False
-        if (config.save_every and step % config.save_every == 0) or step == config.steps:
+        if saves_at(step):
             save(step, step_state)
             saved = True
             t_prev = time.perf_counter()  # don't count checkpointing in the next step's rate
