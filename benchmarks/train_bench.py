@@ -98,7 +98,8 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
 
 
 def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "einsum",
-            loss_chunk: int | None = None, dispatch: str = "bound", packed: bool = False) -> dict:
+            loss_chunk: int | None = None, dispatch: str = "bound", packed: bool = False,
+            docs: int = 1, segment_tables: bool = True) -> dict:
     import functools
 
     import jax
@@ -113,6 +114,15 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     model, opt, batch = build_jax(shape, seq, backend, attention)
     if not packed:  # one sequence per row, as train(packing=False) feeds it (and as torch runs)
         del batch["segment_ids"]
+    else:  # `docs` equal documents per row, positions restarting in each, as train() packs them
+        seg = np.minimum(np.arange(seq) * docs // seq + 1, docs).astype(np.int32)
+        starts = np.searchsorted(seg, seg)
+        batch["segment_ids"] = seg[None, None]
+        batch["positions"] = (np.arange(seq) - starts).astype(np.int32)[None, None]
+        if attention == "cudnn" and segment_tables:  # what train() adds for cuDNN's packed layout
+            from jqlora.train.data import SegmentTables
+
+            SegmentTables().add(batch)
     # "bound" is what jqlora.train.train runs; "unbound" splits the model graph on every call
     run = step.bind(model, opt) if dispatch == "bound" else functools.partial(step, model, opt)
     built = jax.devices()[0].memory_stats() or {}
@@ -141,7 +151,8 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     piped_s = (time.perf_counter() - t0) / steps
     stats = jax.devices()[0].memory_stats() or {}
     return {"side": "jqlora", "backend": backend, "attention": attention, "dispatch": dispatch,
-            "segment_mask": packed,
+            "segment_mask": packed, "docs": docs if packed else None,
+            "segment_tables": "segment_lengths" in batch,
             "loss_chunk": loss_chunk or LOSS_CHUNK, "step_s": step_s, "tokens_per_s": seq / step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "resident_gib_before_step": before / 2**30,
             "peak_gib_before_step": build_peak / 2**30,
@@ -252,6 +263,9 @@ def main(argv=None):
     p.add_argument("--backend", default="auto")
     p.add_argument("--attention", default="einsum", choices=["einsum", "xla", "cudnn"])
     p.add_argument("--loss-chunk", type=int, default=None, help="tokens per LM-head/loss chunk (jax side)")
+    p.add_argument("--docs", type=int, default=1, help="with --packed: equal documents per row")
+    p.add_argument("--no-segment-tables", action="store_true",
+                   help="with --packed and cudnn: keep the (T, T) mask (no segment tables, as before)")
     p.add_argument("--packed", action="store_true",
                    help="jax side: pass segment ids (the packing path: a (T, T) mask in attention); "
                         "by default the row is one unpacked sequence, as on the torch side")
@@ -260,7 +274,8 @@ def main(argv=None):
                         "graph split per call")
     a = p.parse_args(argv)
     if a.side == "jax":
-        res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch, a.packed)
+        res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch, a.packed,
+                      a.docs, not a.no_segment_tables)
     else:
         res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch")
     c = hf_config(a.shape)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jqlora import lora, models, quant
-from jqlora.models import ModelConfig
+from jqlora.models import ModelConfig, packed_attention
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -441,13 +441,15 @@ def _attention_pair(saved, arch, dtype, impl):
     seg[0, 10:] = 2
     seg[1, 20:] = 0  # padding
     real = seg > 0
+    runs = packed_attention.segment_runs(seg, 4)  # cuDNN's packed layout (other paths ignore it)
 
     def grads(m):
-        loss = lambda m: jnp.mean(m(ids, segment_ids=jnp.asarray(seg)).astype(jnp.float32)[real] ** 2)
+        loss = lambda m: jnp.mean(m(ids, segment_ids=jnp.asarray(seg), segment_runs=runs)
+                                  .astype(jnp.float32)[real] ** 2)
         return [np.asarray(g, np.float32) for g in
                 jax.tree_util.tree_leaves(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(m))]
 
-    return ref, fused, ids, seg, real, grads
+    return ref, fused, ids, seg, real, grads, runs
 
 
 @pytest.mark.torch
@@ -456,7 +458,7 @@ def test_fused_attention_path_matches_einsum(arch, saved):
     """attention="xla" goes through jax.nn.dot_product_attention (the call that runs cuDNN flash
     attention with "cudnn" on a GPU): same logits and LoRA gradients as the einsum path, for plain
     causal input and for packed segments."""
-    ref, fused, ids, seg, real, grads = _attention_pair(saved, arch, jnp.float32, "xla")
+    ref, fused, ids, seg, real, grads, _ = _attention_pair(saved, arch, jnp.float32, "xla")
     for kw in ({}, {"segment_ids": jnp.asarray(seg)}):
         y_ref, y = nnx.jit(lambda m, x: m(x, **kw))(ref, ids), nnx.jit(lambda m, x: m(x, **kw))(fused, ids)
         keep = real if kw else np.ones_like(real)
@@ -471,13 +473,15 @@ def test_fused_attention_path_matches_einsum(arch, saved):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs a GPU")
 @pytest.mark.parametrize("arch", ["llama3", "mistral"])  # plain causal; sliding window + GQA
 def test_cudnn_attention_matches_einsum_in_bf16(arch, saved):
-    """attention="cudnn" (causal flag + segment mask with packing): the same bf16 logits and LoRA
-    gradients as the einsum path, up to bf16 rounding, with nothing non-finite on real tokens.
+    """attention="cudnn" (causal flag; packed rows through cuDNN's packed layout with segment
+    tables, or the segment mask without them): the same bf16 logits and LoRA gradients as the
+    einsum path, up to bf16 rounding, with nothing non-finite on real tokens; a table too narrow
+    for a row's segments gives NaN in that row.
     "Up to bf16 rounding" for the gradients: within 5%, or within twice the distance between the
     einsum path in bf16 and in float32 (the bf16 LM head backward rounds dlogits to bf16, as
     torch does; with it one mistral gradient went from under 5% to 5.6%, H200, session 12)."""
-    ref, fused, ids, seg, real, grads = _attention_pair(saved, arch, jnp.bfloat16, "cudnn")
-    for kw in ({}, {"segment_ids": jnp.asarray(seg)}):
+    ref, fused, ids, seg, real, grads, runs = _attention_pair(saved, arch, jnp.bfloat16, "cudnn")
+    for kw in ({}, {"segment_ids": jnp.asarray(seg)}, {"segment_ids": jnp.asarray(seg), "segment_runs": runs}):
         f = nnx.jit(lambda m, x: m(x, **kw).astype(jnp.float32))
         y_ref, y = np.asarray(f(ref, ids)), np.asarray(f(fused, ids))
         keep = real if kw else np.ones_like(real)
@@ -488,6 +492,16 @@ def test_cudnn_attention_matches_einsum_in_bf16(arch, saved):
         assert np.isfinite(g).all()
         bound = max(0.05 * np.linalg.norm(g_ref), 2 * np.linalg.norm(g_ref - g32)) + 1e-6
         assert np.linalg.norm(g - g_ref) <= bound
+    narrow = packed_attention.segment_runs(seg, 1)  # row 0 holds two segments
+    y = np.asarray(nnx.jit(lambda m, x: m(x, segment_ids=jnp.asarray(seg), segment_runs=narrow)
+                           .astype(jnp.float32))(fused, ids))
+    windowed = [w is not None and w < T for w in fused.config.sliding_windows]
+    if not any(windowed):
+        assert np.isnan(y[0]).all() and np.isfinite(y[1][real[1]]).all()
+    elif all(windowed):  # a window shorter than the row keeps the mask: the tables are not used
+        y_mask = np.asarray(nnx.jit(lambda m, x: m(x, segment_ids=jnp.asarray(seg))
+                                    .astype(jnp.float32))(fused, ids))
+        np.testing.assert_array_equal(y, y_mask)
 
 
 def test_chunked_lm_loss_equals_full_logits_loss(tiny):

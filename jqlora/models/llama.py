@@ -24,6 +24,7 @@ from jqlora import quant
 from jqlora.lora.apply import apply_lora
 from jqlora.lora.config import LoraConfig
 from jqlora.lora.linear import FrozenParam, QLoRALinear, base_shape
+from jqlora.models import packed_attention
 from jqlora.models.cache import KVCache
 from jqlora.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
 
@@ -123,7 +124,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(norms["q_norm"], config.rms_norm_eps)
             self.k_norm = RMSNorm(norms["k_norm"], config.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, kv_cache=None, index=None,
+    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, runs=None, kv_cache=None, index=None,
                  impl: str = "einsum", plain_causal: bool = False):
         cfg = self.config
         b, t, _ = x.shape
@@ -144,7 +145,7 @@ class Attention(nnx.Module):
             new_kv = (ck, cv)
             k, v = ck.astype(x.dtype), cv.astype(x.dtype)
         if impl != "einsum" and kv_cache is None:
-            return self.o_proj(self._fused(q, k, v, q_slots, k_slots, q_seg, k_seg, impl, plain_causal)), None
+            return self.o_proj(self._fused(q, k, v, q_slots, k_slots, q_seg, k_seg, runs, impl, plain_causal)), None
         g = h // kvh
         qg = q.reshape(b, t, kvh, g, d)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
@@ -155,7 +156,7 @@ class Attention(nnx.Module):
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * d)
         return self.o_proj(out), new_kv
 
-    def _fused(self, q, k, v, q_slots, k_slots, q_seg, k_seg, impl, plain_causal):
+    def _fused(self, q, k, v, q_slots, k_slots, q_seg, k_seg, runs, impl, plain_causal):
         """jax.nn.dot_product_attention: cuDNN flash attention on a GPU ("cudnn"), or its XLA
         version ("xla"), which tests use to check this wiring on CPU. Without packing, a plain
         causal mask (nothing materialized); with packing, the same boolean mask as the einsum path.
@@ -164,8 +165,12 @@ class Attention(nnx.Module):
         is_causal is set in both cases: that mask is causal already (same segment and key slot <=
         query slot), and the flag lets cuDNN skip the key tiles above the diagonal, which it
         would otherwise compute and then mask (8B step on an H200, 2048 tokens: attention
-        35 -> 27 ms; without the mask, for unpacked rows, 15 ms)."""
+        35 -> 27 ms; without the mask, for unpacked rows, 15 ms). With `runs` (cuDNN, packed rows,
+        no sliding window shorter than the row) there is no mask at all: `packed_attention`."""
         b, t, h, d = q.shape
+        if runs is not None and (self.window is None or self.window >= t):
+            out = packed_attention.packed_causal_attention(q, k, v, q_seg, runs, scale=d ** -0.5)
+            return out.reshape(b, t, h * d)
         window = None if self.window is None else (self.window - 1, 0)
         mask = None if plain_causal else attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None]
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=d ** -0.5,
@@ -208,10 +213,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(
             src.tensor(f"{prefix}.post_attention_layernorm.weight", (c.hidden_size,)), c.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, kv_cache=None, index=None,
+    def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, runs=None, kv_cache=None, index=None,
                  impl: str = "einsum", plain_causal: bool = False):
         a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, q_slots, k_slots, q_seg, k_seg,
-                                   kv_cache, index, impl, plain_causal)
+                                   runs, kv_cache, index, impl, plain_causal)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_kv
@@ -246,7 +251,8 @@ class CausalLM(nnx.Module):
     Call: `model(input_ids, *, positions=None, segment_ids=None, cache=None)`.
       input_ids (B, T) int; positions (B, T) int (default: positions inside each segment when
       segment_ids is given, else cache.index + arange(T)); segment_ids (B, T) int for packed
-      sequences: a token attends causally only to tokens of its own segment, 0 = padding.
+      sequences: a token attends causally only to tokens of its own segment, 0 = padding. A segment
+      is a contiguous run of one id (positions restart at each run).
       Returns logits (B, T, vocab) in the compute dtype (as HF; upcast in the loss), or
       (logits, new_cache) when a `KVCache` is given, or (logits, states) with
       `return_states=True` (no cache): states = {"embed": x0, "layers": (h_1..h_L), "norm": ...},
@@ -287,10 +293,12 @@ class CausalLM(nnx.Module):
         return self.lm_head(h)
 
     def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None,
-                 return_states: bool = False, return_hidden: bool = False):
+                 return_states: bool = False, return_hidden: bool = False, segment_runs=None):
         """See the class docstring. return_hidden=True returns the final normed hidden states
         (B, T, hidden) instead of logits, so a loss can apply `lm_logits` chunk by chunk and never
-        hold the (B, T, vocab) logits at once."""
+        hold the (B, T, vocab) logits at once. segment_runs = `packed_attention.segment_runs(
+        segment_ids, M)`: with attention="cudnn", packed rows then run cuDNN's packed layout
+        instead of a (T, T) mask (other attention paths ignore it)."""
         cfg, dtype = self.config, self.compute_dtype
         if (return_states or return_hidden) and cache is not None:
             raise ValueError("return_states / return_hidden are for full-sequence forwards, not cached decoding")
@@ -318,10 +326,13 @@ class CausalLM(nnx.Module):
         x = self.model.embed_tokens(input_ids, dtype)
         states = {"embed": x, "layers": []}
 
-        aux = (cos, sin, q_slots, k_slots, q_seg, k_seg)
-
         impl = self.attention
         plain_causal = segment_ids is None and cache is None  # static: no mask array needed
+        runs = None  # packed rows under cuDNN: per-segment lengths/offsets instead of a (T, T) mask
+        if (impl == "cudnn" and segment_runs is not None and segment_ids is not None and cache is None
+                and packed_attention.available()):
+            runs = tuple(jnp.asarray(a, jnp.int32) for a in segment_runs)
+        aux = (cos, sin, q_slots, k_slots, q_seg, k_seg, runs)
 
         def run_layer(layer, x, kv, aux, index):
             return layer(x, *aux, kv_cache=kv, index=index, impl=impl, plain_causal=plain_causal)

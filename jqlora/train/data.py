@@ -58,6 +58,7 @@ __all__ = [
     "tokenize_example",
     "tokenize_examples",
     "make_batch_iterator",
+    "SegmentTables",
 ]
 
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
@@ -469,3 +470,25 @@ def make_batch_iterator(data_path: str | os.PathLike, tokenizer, *, seq_len: int
     tokenized = tokenize_examples(tokenizer, examples, special)
     return BatchIterator(tokenized, seq_len=seq_len, batch_size=batch_size, packing=packing,
                          seed=seed, shuffle=shuffle, pad_id=special.pad_id, overflow=overflow)
+
+
+class SegmentTables:
+    """Host side of packed attention under cuDNN: adds to a packed batch "segment_lengths"
+    (..., M) and "segment_offsets" (..., M + 1), each row's runs of one segment id
+    (`jqlora.models.packed_attention.segment_runs`), so the model runs cuDNN's packed layout
+    instead of a (T, T) mask. M is a power of two that only grows during a run (each new M
+    compiles the step once more); a batch with more than `packed_attention.MAX_WIDTH` runs in a
+    row gets no table and keeps the mask, where cuDNN is then faster."""
+
+    def __init__(self):
+        self.width = 4
+
+    def add(self, batch: dict) -> dict:
+        from jqlora.models import packed_attention
+
+        width = packed_attention.table_width(batch["segment_ids"], self.width)
+        if width is not None:
+            self.width = width
+            batch["segment_lengths"], batch["segment_offsets"] = packed_attention.segment_runs(
+                np.asarray(batch["segment_ids"]), width)
+        return batch

@@ -35,8 +35,8 @@ from flax import nnx
 from .checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
 from .frozen_jit import frozen_jit
 from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, CsvLog, write_loss_plot
-from .data import (BatchIterator, Example, check_tokenizer_fits, load_jsonl, load_tokenizer,
-                   parse_example, special_tokens, tokenize_examples)
+from .data import (BatchIterator, Example, SegmentTables, check_tokenizer_fits, load_jsonl,
+                   load_tokenizer, parse_example, special_tokens, tokenize_examples)
 from .optim import make_optimizer, make_schedule
 
 __all__ = ["TrainConfig", "TrainResult", "NonFiniteLossError", "train", "make_train_step", "write_loss_plot",
@@ -175,6 +175,8 @@ def _forward_sums(model, batch, loss_chunk: int = LOSS_CHUNK):
     # attention, with no (T, T) mask.
     kw = dict(positions=batch["positions"], segment_ids=batch.get("segment_ids"))
     if hasattr(model, "lm_logits"):  # jqlora CausalLM: chunked LM head + loss
+        if "segment_lengths" in batch:  # packed rows for cuDNN's packed layout (see train())
+            kw["segment_runs"] = (batch["segment_lengths"], batch["segment_offsets"])
         h = model(batch["input_ids"], return_hidden=True, **kw)
         return chunked_cross_entropy(model.lm_logits, h, batch["targets"], batch["loss_mask"], loss_chunk)
     logits = model(batch["input_ids"], **kw)
@@ -440,6 +442,8 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
     bar = tqdm(total=config.steps, initial=start, disable=not show, desc="train",
                dynamic_ncols=True, file=sys.stderr)
 
+    segment_tables = SegmentTables()
+
     def next_batch():
         """(batch, number of real tokens in it)."""
         batch = _stack([next(it) for _ in range(config.grad_accum)])
@@ -449,6 +453,8 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
             # attention no real token sees a padding key, so the segment mask changes nothing
             # for the loss, and without it cuDNN runs its mask-free causal kernels.
             del batch["segment_ids"]
+        elif getattr(model, "attention", None) == "cudnn":
+            segment_tables.add(batch)
         return batch, ntok
 
     def save(step, data_state):
