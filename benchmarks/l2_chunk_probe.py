@@ -68,32 +68,29 @@ def _nn(a, b):
                                preferred_element_type=jnp.float32).astype(a.dtype)
 
 
-def fwd_chunked(x, q, c, assemble=True):
+def _chunked(lhs, q, c, *, by_rows: bool, assemble=True):
+    """lhs @ dequant(W).T (by_rows: W's N rows cut into c chunks) or lhs @ dequant(W) (W's K
+    columns cut), chunk i + 1's dequant ordered after chunk i's GEMM."""
     packed, absmax = kernel_operands_4bit(q)
     n, k = q.shape
-    step = n // c
-    outs, prev = [], x
+    step = (n if by_rows else k) // c
+    outs, prev = [], lhs
     for i in range(c):
         packed, absmax, prev = jax.lax.optimization_barrier((packed, absmax, prev))
-        w = dequant_window(packed, absmax, q.code, blocksize=q.blocksize, row0=i * step, rows=step,
-                           col0=0, cols=k)
-        prev = _nt(x, w)
+        window = dict(row0=i * step, rows=step, col0=0, cols=k) if by_rows else \
+            dict(row0=0, rows=n, col0=i * step, cols=step)
+        w = dequant_window(packed, absmax, q.code, blocksize=q.blocksize, **window)
+        prev = _nt(lhs, w) if by_rows else _nn(lhs, w)
         outs.append(prev)
     return jnp.concatenate(outs, axis=1) if assemble else outs
 
 
+def fwd_chunked(x, q, c, assemble=True):
+    return _chunked(x, q, c, by_rows=True, assemble=assemble)
+
+
 def bwd_chunked(dy, q, c):
-    packed, absmax = kernel_operands_4bit(q)
-    n, k = q.shape
-    step = k // c
-    outs, prev = [], dy
-    for i in range(c):
-        packed, absmax, prev = jax.lax.optimization_barrier((packed, absmax, prev))
-        w = dequant_window(packed, absmax, q.code, blocksize=q.blocksize, row0=0, rows=n,
-                           col0=i * step, cols=step)
-        prev = _nn(dy, w)
-        outs.append(prev)
-    return jnp.concatenate(outs, axis=1)
+    return _chunked(dy, q, c, by_rows=False)
 
 
 def fwd_streams(x, q, c):
@@ -118,7 +115,7 @@ def fwd_streams(x, q, c):
 
 
 def fwd_whole(x, q):
-    return fwd_chunked(x, q, 1)[:, :]
+    return fwd_chunked(x, q, 1)
 
 
 def bwd_whole(dy, q):

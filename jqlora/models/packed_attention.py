@@ -30,6 +30,13 @@ import numpy as np
 MAX_WIDTH = 64
 
 
+def _real_and_run_starts(seg, xp):
+    """(token is not padding, token starts a run) for (rows, T) ids, in numpy or jax (xp)."""
+    prev = xp.concatenate([xp.zeros_like(seg[:, :1]), seg[:, :-1]], axis=1)
+    real = seg != 0
+    return real, real & (seg != prev)
+
+
 def segment_runs(segment_ids, max_segments: int):
     """cuDNN's packed-layout operands: (lengths (..., M), offsets (..., M + 1)), int32.
 
@@ -42,9 +49,7 @@ def segment_runs(segment_ids, max_segments: int):
     lead, t = segment_ids.shape[:-1], segment_ids.shape[-1]
     seg = xp.asarray(segment_ids).astype(np.int32).reshape(-1, t)
     b, m = seg.shape[0], max_segments
-    prev = xp.concatenate([xp.zeros((b, 1), np.int32), seg[:, :-1]], axis=1)
-    real = seg != 0
-    start = real & (seg != prev)
+    real, start = _real_and_run_starts(seg, xp)
     run = xp.cumsum(start, axis=1, dtype=np.int32) - 1  # run index of each real token
     n_runs = xp.minimum(xp.max(xp.where(real, run + 1, 0), axis=1, initial=0), m)[:, None]
     present = xp.arange(m, dtype=np.int32)[None, :] < n_runs
@@ -69,8 +74,7 @@ def table_width(segment_ids: np.ndarray, at_least: int = 4) -> int | None:
     """The M to use for these host-side rows: a power of two >= their most runs and >= at_least
     (a run that only widens keeps the compiled step's shapes), or None above MAX_WIDTH."""
     seg = np.asarray(segment_ids).reshape(-1, np.shape(segment_ids)[-1])
-    prev = np.concatenate([np.zeros_like(seg[:, :1]), seg[:, :-1]], axis=1)
-    most = int(((seg != 0) & (seg != prev)).sum(axis=1).max(initial=0))
+    most = int(_real_and_run_starts(seg, np)[1].sum(axis=1).max(initial=0))
     width = max(at_least, 1 << max(0, most - 1).bit_length())
     return width if width <= MAX_WIDTH else None
 
