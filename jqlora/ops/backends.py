@@ -38,6 +38,14 @@ BLOCK_DOT_MAX_M_4BIT = 32
 # Weight round(round(code) * absmax): within about one ulp of x's dtype of bitsandbytes'. At
 # M = 128 dequant_dot wins (1.78 / 2.56 / 2.24 against 2.03 / 3.01 / 2.36 at best).
 DECODED_DOT_MAX_M_4BIT = 64
+# 4-bit on a Hopper GPU with 16-bit activations, GEMV_MAX_M_4BIT < M <= this: the Mosaic GPU
+# kernel (mgpu_decoded_wgmma: warp-specialized TMA pipeline, weight decoded in registers as the
+# wgmma operand). H100, session 14 (results/..._s14_mgpu_*; ratios to bf16 at 4096x4096 /
+# 4096x14336 / 14336x4096, same runs): M = 16 0.86 / 0.81 / 0.66 against block_scaled_dot_prmt's
+# 0.95 / 0.84 / 0.97; M = 64 0.83 / 0.86 / 0.73 against decoded_dot_prmt's 1.02 / 1.08 / 1.11;
+# M = 128 1.00 / 0.93 / 0.86 against dequant_dot's 1.71 / 2.45 / 2.17; M = 1024 (4096x4096)
+# 1.21 against 1.34. At M = 2048 dequant_dot is ahead (1.21-1.24 against 1.23-1.28).
+MGPU_MAX_M_4BIT = 1024
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
@@ -51,6 +59,7 @@ DEFAULT_4BIT_FWD_LARGE = "dequant_dot"
 DEFAULT_4BIT_FWD_GEMV = "gemv_block_scaled"
 DEFAULT_4BIT_FWD_BLOCK_DOT = "block_scaled_dot_prmt"
 DEFAULT_4BIT_FWD_DECODED_DOT = "decoded_dot_prmt"
+DEFAULT_4BIT_FWD_MGPU = "mgpu_decoded_wgmma"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
 # INT8 (H200, 2026-11-21, benchmarks/results README, session 4): at M <= 16 the split-K kernel
@@ -85,6 +94,13 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def mgpu_available() -> bool:
+    """A Hopper GPU and a jax whose Mosaic GPU runs `mgpu_decoded_wgmma`."""
+    from pallas_kernels import matmul_4bit_mgpu
+
+    return matmul_4bit_mgpu.available()
+
+
 def _kernel_shape_problem(q) -> str | None:
     if isinstance(q, Weight4bit):
         if len(q.shape) != 2:
@@ -96,10 +112,21 @@ def _kernel_shape_problem(q) -> str | None:
     return None
 
 
-def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
+def _mgpu_fits(q: Weight4bit, m: int, dtype) -> bool:
+    from pallas_kernels import matmul_4bit_mgpu
+
+    return (GEMV_MAX_M_4BIT < m <= MGPU_MAX_M_4BIT and dtype in ("bfloat16", "float16")
+            and matmul_4bit_mgpu.supports(m, q.shape[0], q.shape[1], q.blocksize)
+            and mgpu_available())
+
+
+def _variants_for(q, m: int, numerics: str, dtype: str | None) -> tuple[str, str]:
     if isinstance(q, Weight4bit):
         if m <= GEMV_MAX_M_4BIT:
             return DEFAULT_4BIT_FWD_GEMV, DEFAULT_4BIT_BWD_SMALL
+        if _mgpu_fits(q, m, dtype):
+            bwd = DEFAULT_4BIT_BWD_SMALL if m <= DECODED_DOT_MAX_M_4BIT else DEFAULT_4BIT_BWD_LARGE
+            return DEFAULT_4BIT_FWD_MGPU, bwd
         if m <= BLOCK_DOT_MAX_M_4BIT:
             return DEFAULT_4BIT_FWD_BLOCK_DOT, DEFAULT_4BIT_BWD_SMALL
         if m <= DECODED_DOT_MAX_M_4BIT:
@@ -110,8 +137,11 @@ def _variants_for(q, m: int, numerics: str) -> tuple[str, str]:
     return (DEFAULT_INT8_FWD_SMALL if m <= SMALL_M else DEFAULT_INT8_FWD_LARGE), DEFAULT_INT8_BWD
 
 
-def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics: str = "weight_only") -> Plan:
-    """Resolve `backend` for weight `q` and M rows. Explicit backends never fall back silently."""
+def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics: str = "weight_only",
+                dtype: str | None = None) -> Plan:
+    """Resolve `backend` for weight `q`, M rows and compute dtype name `dtype` (None: unknown,
+    which rules out the kernels that take 16-bit operands only). Explicit backends never fall
+    back silently."""
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if not isinstance(q, (Weight4bit, Int8Weight)):
@@ -137,7 +167,7 @@ def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics
         raise BackendError(f"backend {backend!r}: {problem}")
     if backend == "pallas" and not on_gpu():
         raise BackendError("backend 'pallas' needs a GPU; use 'interpret' to run the kernels on CPU, or 'xla'")
-    fwd, bwd = _variants_for(q, m, numerics)
+    fwd, bwd = _variants_for(q, m, numerics, dtype)
     if variant is not None:
         fwd = variant
     _check_variant(fwd, q, m)

@@ -166,7 +166,7 @@ def qmatmul(
     m = x2.shape[0]
     if not quantized:
         q = jax.lax.stop_gradient(jnp.asarray(q)).astype(cd)
-    plan = choose_plan(q, m, backend, variant=variant, numerics=numerics)
+    plan = choose_plan(q, m, backend, variant=variant, numerics=numerics, dtype=cd.name)
     st = _Static(plan, numerics, cd.name)
     if lora is None:
         y = _base(st, x2, q)

@@ -1,0 +1,570 @@
+"""4-bit matmul on Hopper through Pallas' Mosaic GPU lowering: y = x @ dequant(W).T with the
+weight decoded in registers and fed to warpgroup MMAs (wgmma) as their register operand.
+
+Why another kernel: at M >= 128 `qmatmul` runs a dequant pass + cuBLAS (`dequant_dot`), which
+costs 1 + dequant / GEMM (1.78-2.50x bf16 at M = 128, 1.10-1.14x at M = 2048), and the Triton
+lowering's fused kernel never overlapped its decode with the MMA (session 9). Mosaic GPU gives
+the Hopper structure: a memory warpgroup streams tiles with TMA while two compute warpgroups
+each decode their weight tile and issue wgmma, so one warpgroup's decode runs under the other's
+MMA.
+
+The product is computed transposed, y.T (N, M) = W (N, K) . x.T, because only the left wgmma
+operand may come from registers. Per compute warpgroup and K step (64 columns, one scale block
+at blocksize 64):
+
+1. the packed tile (64 rows x 64 codes) is loaded from shared memory as int4 in
+   `WGMMA_LAYOUT_UPCAST_4X` and shuffled into the WGMMA register layout (two warp shuffles and
+   two byte permutes per 8 codes: Mosaic's own relayout, stopped before it splits the words);
+2. each thread builds, for each of its two weight rows, a 16-entry table of round(code *
+   absmax) in x's dtype (fp32 products, one rounding: bitsandbytes' dequantized weight bit for
+   bit), as byte planes in 8 registers;
+3. each 32-bit word of 8 codes becomes four 16-bit pairs by byte permutes (`_LOOKUP_PTX`: 22
+   instructions per word, no memory access), the wgmma's A fragment.
+
+The weight reaches the kernel as int4 (`packed.view(int4)`, no copy): Mosaic then keeps each
+packed byte whole through its relayout, and the lookup reads the high nibble as the even column
+(bitsandbytes' order). Double-quantized scales are de-nested by XLA first ((K / blocksize, N)
+float32, about 1/16 of the packed bytes). With several K splits the fp32 partials (splits, N, M)
+are summed by XLA; the transpose back to (M, N) is XLA's too.
+
+Hopper only (sm_90); needs jax >= 0.11 (Mosaic GPU's `inline_mgpu`). No interpret mode: the
+decode's instruction program is checked on CPU by `emulate_lookup_words` against the table
+lookup, and the kernel by the compiled GPU suite against `matmul_4bit_reference`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.dequantize_4bit import (
+    check_4bit_weight, denest_absmax_reference, supports_4bit)
+from pallas_kernels.matmul_4bit import check_x, matmul_4bit_reference
+from pallas_kernels.registry import Variant
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile shape: each CTA computes (2 * wg_rows) weight rows x tile_m tokens of y.T."""
+
+    tile_m: int = 128  # tokens per CTA (the wgmma N side), 8..256
+    tile_k: int = 64  # K columns per pipeline step (a multiple of 64)
+    k_splits: int = 1  # K ranges computed by separate CTAs; partials summed by XLA
+    max_concurrent_steps: int = 4  # pipeline depth of the memory warpgroup
+    wg_rows: int = 64  # weight rows per compute warpgroup (64 or 128)
+
+
+# --------------------------------------------------------------------------- the decode program
+# One 32-bit word r of 8 packed codes (bytes b0..b3, each hi nibble = even column) and the table
+# words L0..L3, H0..H3 (low / high bytes of the 16 entries, entry 4i + j in byte j of Li / Hi)
+# -> o0..o3, o_b = (code[hi(b_b)] in bits 0-15, code[lo(b_b)] in bits 16-31).
+# Two bytes at a time: the selector s holds the 3-bit indices of (lo, hi) of b0 then b1 in its
+# four nibbles (r & 0x7777), prmt(L0, L1, s) / prmt(L2, L3, s) look up those codes in entries
+# 0-7 / 8-15, and a lop3 picks per byte by bit 3 of the code (sign bits gathered by one more
+# prmt of r and r << 4 in sign-replicating mode).
+_LOOKUP_PROGRAM = (
+    ("shl", "t", "r", 4),
+    ("and", "sa", "r", 0x7777),
+    ("shr", "sb", "r", 16),
+    ("and", "sb", "sb", 0x7777),
+    ("prmt", "ma", "r", "t", 0x9D8C),  # sign bits of lo0, hi0, lo1, hi1 -> byte masks
+    ("prmt", "mb", "r", "t", 0xBFAE),  # lo2, hi2, lo3, hi3
+) + tuple(
+    op
+    for g in "ab"
+    for op in (
+        ("prmt", "x", "L0", "L1", f"s{g}"), ("prmt", "y", "L2", "L3", f"s{g}"),
+        ("lop3", f"l{g}", "x", "y", f"m{g}", 0xD8),  # (x & ~m) | (y & m)
+        ("prmt", "x", "H0", "H1", f"s{g}"), ("prmt", "y", "H2", "H3", f"s{g}"),
+        ("lop3", f"h{g}", "x", "y", f"m{g}", 0xD8),
+        # l = (L[lo0], L[hi0], L[lo1], L[hi1]) -> (L[hi0], H[hi0], L[lo0], H[lo0]) etc.
+        ("prmt", f"o{'0' if g == 'a' else '2'}", f"l{g}", f"h{g}", 0x4051),
+        ("prmt", f"o{'1' if g == 'a' else '3'}", f"l{g}", f"h{g}", 0x6273),
+    )
+)
+_TABLE_WORDS = ("L0", "L1", "L2", "L3", "H0", "H1", "H2", "H3")
+_OUTPUTS = ("o0", "o1", "o2", "o3")
+
+
+def _program_ptx(program, inputs: dict[str, str], outputs) -> str:
+    """PTX text of `program` with named inputs bound to operands; outputs moved last."""
+    temps = sorted({dst for _, dst, *_ in program})
+    local = {t: f"q_{t}" for t in temps}
+
+    def reg(v):
+        if isinstance(v, int):
+            return f"{v:#x}"
+        return inputs.get(v) or local[v]
+
+    lines = ["{", f".reg .b32 {', '.join(local.values())};"]
+    for op, dst, *src in program:
+        if op == "lop3":
+            lines.append(f"lop3.b32 {reg(dst)}, {reg(src[0])}, {reg(src[1])}, {reg(src[2])}, "
+                         f"{src[3]:#x};")
+        elif op in ("shr", "shl"):
+            lines.append(f"{op}.b32 {reg(dst)}, {reg(src[0])}, {src[1]};")
+        else:
+            lines.append(f"{op}.b32 {reg(dst)}, {', '.join(reg(s) for s in src)};")
+    lines += [f"mov.b32 ${i}, {local[name]};" for i, name in enumerate(outputs)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_LOOKUP_PTX = _program_ptx(
+    _LOOKUP_PROGRAM,
+    {"r": "$4", **{w: f"${5 + i}" for i, w in enumerate(_TABLE_WORDS)}},
+    _OUTPUTS)
+
+
+def _table_ptx(dtype) -> str:
+    """PTX for one row's table, shared by the 4 lanes of a quad (they hold the same rows):
+    $8 = absmax (f32), $9..$12 = codes 4q..4q+3 (f32, q = lane % 4) -> $0..$7 = L0..L3, H0..H3
+    of round(code * absmax) in dtype (bf16 or f16), one fp32 product and one rounding each.
+    Each lane makes its four entries' L_q and H_q words, and eight quad shuffles gather them:
+    16 instructions a table where a lane alone needs 32 (and 16 code loads instead of 4)."""
+    cvt = {"bfloat16": "cvt.rn.bf16x2.f32", "float16": "cvt.rn.f16x2.f32"}[jnp.dtype(dtype).name]
+    lines = ["{", ".reg .f32 p<4>;", ".reg .b32 wa, wb, l, h;"]
+    lines += [f"mul.rn.f32 p{i}, ${9 + i}, $8;" for i in range(4)]
+    # cvt d, a, b puts a in the upper half: wa = (entry 4q, 4q + 1), wb = (4q + 2, 4q + 3)
+    lines += [f"{cvt} wa, p1, p0;", f"{cvt} wb, p3, p2;",
+              "prmt.b32 l, wa, wb, 0x6420;", "prmt.b32 h, wa, wb, 0x7531;"]
+    for j in range(4):  # 0x1c1f: segments of 4 lanes, source lane = quad base + j
+        lines.append(f"shfl.sync.idx.b32 ${j}, l, {j}, 0x1c1f, 0xffffffff;")
+        lines.append(f"shfl.sync.idx.b32 ${4 + j}, h, {j}, 0x1c1f, 0xffffffff;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- jnp emulation
+def _emulate_prmt(a, b, sel):
+    from pallas_kernels.nibble_lookup import _prmt
+    return _prmt(a, b, sel)
+
+
+def _emulate_lop3(a, b, c, lut):
+    from pallas_kernels.nibble_lookup import _lop3
+    return _lop3(a, b, c, lut)
+
+
+def emulate_lookup_words(r, table_words):
+    """Run `_LOOKUP_PROGRAM` on uint32 words r (any shape) with table_words (8,) uint32:
+    returns the four output words o0..o3 (uint32, shaped like r)."""
+    regs = {"r": jnp.asarray(r, jnp.uint32)}
+    regs.update({w: table_words[i] for i, w in enumerate(_TABLE_WORDS)})
+
+    def val(v):
+        return regs[v] if isinstance(v, str) else jnp.uint32(v)
+
+    for op, dst, *src in _LOOKUP_PROGRAM:
+        a = val(src[0])
+        if op == "and":
+            regs[dst] = a & val(src[1])
+        elif op == "shr":
+            regs[dst] = a >> src[1]
+        elif op == "shl":
+            regs[dst] = a << src[1]
+        elif op == "prmt":
+            regs[dst] = _emulate_prmt(a, val(src[1]), val(src[2]))
+        elif op == "lop3":
+            regs[dst] = _emulate_lop3(a, val(src[1]), val(src[2]), src[3])
+        else:  # pragma: no cover - the program is fixed above
+            raise AssertionError(op)
+    return tuple(regs[o] for o in _OUTPUTS)
+
+
+def emulate_table_words(absmax, code, dtype):
+    """`_table_ptx`'s result: (..., 8) uint32 words of round(code * absmax) in dtype."""
+    vals = (code.astype(jnp.float32) * jnp.asarray(absmax, jnp.float32)[..., None]).astype(dtype)
+    bits = lax.bitcast_convert_type(vals, jnp.uint16).astype(jnp.uint32)  # (..., 16)
+    planes = jnp.stack([bits & 0xFF, bits >> 8], axis=-2)  # (..., 2, 16)
+    planes = planes.reshape(*planes.shape[:-1], 4, 4)
+    shifts = jnp.asarray([0, 8, 16, 24], jnp.uint32)
+    words = jnp.sum(planes << shifts, axis=-1, dtype=jnp.uint32)  # (..., 2, 4)
+    return words.reshape(*words.shape[:-2], 8)
+
+
+# --------------------------------------------------------------------------- the kernel
+def _mosaic():
+    """The Mosaic GPU modules, imported on first use (CPU-only jax versions may lack them)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+    return mgpu, pl, plgpu, ir, arith, memref, fa, mu
+
+
+def _asm(ptx: str, args, n_out: int, *, convergent: bool = False):
+    """Inline PTX with n_out 32-bit results (`llvm.inline_asm` directly: jax 0.10's Mosaic has
+    no `utils.inline_ptx`). `convergent` (the quad shuffles) where this jaxlib can say it."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    i32 = ir.IntegerType.get_signless(32)
+    ret = llvm.StructType.get_literal([i32] * n_out)
+    constraints = ",".join(["=r"] * n_out + ["f" if a.type == ir.F32Type.get() else "r"
+                                             for a in args])
+    extra = {"convergent": True} if convergent and hasattr(llvm.InlineAsmOp, "convergent") else {}
+    res = llvm.inline_asm(ret, list(args), ptx, constraints, has_side_effects=False, **extra)
+    return [llvm.extractvalue(i32, res, [i]) for i in range(n_out)]
+
+
+def _load(plgpu, ref, index, layout):
+    """plgpu.load of ref[index] in `layout`: jax 0.11 takes `ref.at[index]` (a separate index
+    is deprecated), jax 0.10 only the separate index."""
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (index,), layout=layout)
+    return plgpu.load(ref.at[index], layout=layout)
+
+
+def _decode_fn(dtype, kb: int, rows: int, blocksize: int):
+    """Mosaic GPU (lane-level) function: int4 (rows, 64 * kb) tile in WGMMA_LAYOUT_UPCAST_4X,
+    the f32 scale ref (kb, rows) and the f32 code ref (16,) -> the decoded (rows, 64 * kb) tile
+    in WGMMA_LAYOUT, dtype."""
+    mgpu, pl, plgpu, ir, arith, memref, fa, mu = _mosaic()
+
+    def decode(ctx, w, scale_ref, code_ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        f32 = ir.F32Type.get()
+        idx = ir.IndexType.get()
+        c32 = lambda v: arith.constant(i32, v)
+        w = w.to_layout(fa.WGMMA_LAYOUT_UPCAST_2X)
+        tid = mu.thread_idx()
+        lane = arith.remui(tid, c32(32))
+        warp = arith.remui(arith.divui(tid, c32(32)), c32(4))
+        row_in_16 = arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4)))
+        quad = arith.remui(lane, c32(4))
+        codes = [memref.load(code_ref, [arith.index_cast(idx, arith.addi(
+            arith.muli(quad, c32(4)), c32(i)))]) for i in range(4)]
+        tables = {}
+
+        def table(rt, h, blk):
+            key = (rt, h, blk)
+            if key not in tables:
+                row = arith.addi(row_in_16, c32(64 * rt + 8 * h))
+                a = memref.load(scale_ref, [arith.constant(idx, blk), arith.index_cast(idx, row)])
+                tables[key] = _asm(_table_ptx(dtype), (a, *codes), 8, convergent=True)
+            return tables[key]
+
+        # Mosaic's WGMMA_LAYOUT_UPCAST_2X -> WGMMA_LAYOUT relayout for 4-bit data, stopped
+        # before it splits each 32-bit word into four registers (fragmented_array.to_layout).
+        is_even = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, c32(2)), c32(0))
+        regs = w.registers
+        col_minor = np.moveaxis(regs, 1, -1)
+        paired = [mu.vector_concat((lo, hi))
+                  for lo, hi in zip(col_minor.flat[::2], col_minor.flat[1::2])]
+        paired = np.asarray(paired, dtype=object).reshape(
+            *col_minor.shape[:-1], col_minor.shape[-1] // 2)
+        paired = np.moveaxis(paired, -1, 1)
+        out_layout = mgpu.WGMMA_LAYOUT
+        shape = (rows, 64 * kb)
+        new_regs = np.empty(out_layout.registers_shape(shape), dtype=object)
+        vec_ty = ir.VectorType.get((2,), mu.dtype_to_ir_type(dtype))
+        perm = arith.select(is_even, c32(0x6240), c32(0x3715))
+        for index, reg in np.ndenumerate(paired):
+            word = mu.bitcast(reg, i32)
+            exchanged = mu.shfl_bfly(word, 1)
+            blend = mu.prmt(word, exchanged, perm)
+            rt, h = index[0], index[4]
+            # WGMMA registers index[1] * 4 + i hold columns 8 * (index[1] * 4 + i) + ...
+            blk = (index[1] * 4 * 8) // blocksize if blocksize <= 64 * kb else 0
+            outs = _asm(_LOOKUP_PTX, (blend, *table(rt, h, blk)), 4)
+            for i, o in enumerate(outs):
+                new_regs[(index[0], index[1] * 4 + i, *index[2:-1])] = mu.bitcast(o, vec_ty)
+        assert all(r is not None for r in new_regs.flat)
+        return fa.FragmentedArray(_registers=new_regs, _layout=out_layout, _is_signed=None)
+
+    return decode
+
+
+def matmul_4bit_mgpu(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
+                     interpret: bool = False, nested=None, config: Config | None = None):
+    """y = x @ dequant(W).T on a Hopper GPU (Mosaic GPU). x (M, K) bf16/f16; packed (N, K//2)
+    uint8; absmax (N, K//blocksize) f32 or, with `nested`, uint8 codes."""
+    if interpret:
+        raise NotImplementedError("matmul_4bit_mgpu has no interpret mode (Mosaic GPU, inline "
+                                  "PTX); run matmul_4bit_reference or another variant on CPU")
+    what = "matmul_4bit_mgpu"
+    n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
+    check_x(x, k, what=what)
+    m = x.shape[0]
+    cfg = config or default_config(max(m, 1), n, k, blocksize)
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"{what}: x must be bfloat16 or float16 (the wgmma operand), got {x.dtype}")
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype or x.dtype)
+    if smem_bytes(cfg, blocksize) > _SMEM_LIMIT:
+        raise ValueError(f"{what}: {cfg} needs {smem_bytes(cfg, blocksize)} bytes of shared "
+                         f"memory, more than {_SMEM_LIMIT}: lower max_concurrent_steps or tiles")
+    problem = _shape_problem(m, n, k, blocksize, cfg)
+    if problem:
+        raise ValueError(f"matmul_4bit_mgpu: {problem}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if nested is not None:
+        absmax = denest_absmax_reference(absmax, *nested)
+    scales_t = jnp.asarray(absmax, jnp.float32).T  # (K / blocksize, N)
+    w4 = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)
+    mp = -(-m // cfg.tile_m) * cfg.tile_m
+    xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
+    y = _call(xp, w4, scales_t, jnp.asarray(code, jnp.float32), blocksize=blocksize, cfg=cfg)
+    if _stores_transposed(cfg):
+        return y[:m].astype(out_dtype)
+    return jnp.sum(y, axis=0)[:, :m].T.astype(out_dtype)  # (splits, N, M) partials of y.T
+
+
+def _stores_transposed(cfg: Config) -> bool:
+    """Whether the kernel writes y (M, N) itself: one K split (fp32 partials of several splits
+    are stored as y.T, since the transposed store takes 16-bit tiles only) and jax >= 0.11
+    (jax 0.10's layout inference rejects the transposed store; XLA then transposes y.T)."""
+    return cfg.k_splits == 1 and _jax_at_least(0, 11)
+
+
+def _jax_at_least(major: int, minor: int) -> bool:
+    parts = jax.__version__.split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+def _shape_problem(m, n, k, blocksize, cfg: Config) -> str | None:
+    cta_n = 2 * cfg.wg_rows
+    if cfg.wg_rows not in (64, 128):
+        return f"wg_rows must be 64 or 128, got {cfg.wg_rows}"
+    if cfg.tile_m % 8 or not 8 <= cfg.tile_m <= 256:
+        return f"tile_m must be a multiple of 8 in 8..256 (the wgmma N side), got {cfg.tile_m}"
+    if cfg.tile_k % 64 or cfg.tile_k < 64:
+        return f"tile_k must be a positive multiple of 64, got {cfg.tile_k}"
+    if blocksize < 64:
+        return f"blocksize {blocksize} < 64 is not supported (one scale per row per 64 columns)"
+    if n % cta_n:
+        return f"N ({n}) must be a multiple of {cta_n}"
+    if cfg.k_splits < 1 or k % (cfg.tile_k * cfg.k_splits):
+        return f"K ({k}) must be a multiple of tile_k * k_splits ({cfg.tile_k * cfg.k_splits})"
+    if cfg.tile_k % blocksize and blocksize % cfg.tile_k:
+        return f"tile_k ({cfg.tile_k}) and blocksize ({blocksize}) must divide one another"
+    if (k // cfg.k_splits) % blocksize:
+        return f"each K split ({k // cfg.k_splits} columns) must hold whole scale blocks"
+    return None
+
+
+# CTAs per wave: a split count is chosen so that tiles x splits stays within about one wave.
+_SMS = 132
+
+
+def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
+    """The tile config `qmatmul` uses, from the H100 sweeps of session 14 (benchmarks/results,
+    `..._s14_mgpu_*`): the token tile is the smallest of 16/32/64/128 holding M, or 256 once
+    that still leaves about 100 CTAs (above M = 128; at 4096x14336, M = 256: 1.17x bf16 against
+    1.66x with 128 tokens); K splits fill the SMs up to one wave (4096x4096, M = 128: 4 splits
+    1.00x, 1 split 1.94x); 128-column K steps where the tile is 128 tokens or fewer."""
+    if m <= 64:
+        tile_m = max(16, 1 << max(0, (m - 1).bit_length()))
+    elif m <= 128 or -(-m // 256) * (n // 128) < 100:
+        tile_m = 128
+    else:
+        tile_m = 256
+    base = -(-m // tile_m) * max(1, n // 128)
+    splits = 1
+    while base * splits * 2 <= _SMS and splits < 8:
+        splits *= 2
+    tile_k = 128 if tile_m <= 128 else 64
+    while splits > 1 and _shape_problem(m, n, k, blocksize, Config(tile_m, tile_k, splits)):
+        splits //= 2
+    if _shape_problem(m, n, k, blocksize, Config(tile_m, tile_k, splits)):
+        tile_k = 64
+    cfg = Config(tile_m=tile_m, tile_k=tile_k, k_splits=splits)
+    while cfg.max_concurrent_steps > 2 and smem_bytes(cfg, blocksize) > _SMEM_LIMIT:
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+    return cfg
+
+
+_SMEM_LIMIT = 232448 - 1088  # an H100/H200 block's shared memory, less barriers (64 to 1072 B seen)
+
+
+def smem_bytes(cfg: Config, blocksize: int) -> int:
+    """Shared memory the kernel allocates: each input's pipeline buffer (all stages of the
+    int4 weight, x, scale and code tiles) and the epilogue's two slots per compute warpgroup
+    (fp32 when K is split), each rounded up to Mosaic's 1024-byte alignment. Matches what
+    Mosaic reported for tile_m = 128, tile_k = 128, 2 splits (232,512 bytes with barriers)."""
+    up = lambda b: -(-b // 1024) * 1024
+    cta_n = 2 * cfg.wg_rows
+    scale_rows = max(1, cfg.tile_k // blocksize)
+    tiles = (cta_n * cfg.tile_k // 2, cfg.tile_m * cfg.tile_k * 2, scale_rows * cta_n * 4, 32 * 4)
+    out_bytes = 4 if cfg.k_splits > 1 else 2
+    return (sum(up(cfg.max_concurrent_steps * t) for t in tiles)
+            + up(4 * cfg.wg_rows * min(64, cfg.tile_m) * out_bytes))
+
+
+def available() -> bool:
+    """Whether this process can run the kernel: a Hopper GPU (wgmma is sm_90 only) as the
+    default device, and a jax whose Mosaic GPU has the pieces used here."""
+    if jax.default_backend() != "gpu":
+        return False
+    cc = getattr(jax.devices()[0], "compute_capability", "")
+    if not str(cc).startswith("9."):
+        return False
+    try:
+        _, _, plgpu, *_ = _mosaic()
+    except Exception:  # noqa: BLE001 - a jax without Mosaic GPU
+        return False
+    return all(hasattr(plgpu, name) for name in ("inline_mgpu", "emit_pipeline_warp_specialized"))
+
+
+def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
+    mgpu, pl, plgpu, ir, arith, memref, fa, mu = _mosaic()
+    m, k = x.shape
+    n = w4.shape[0]
+    dtype = x.dtype
+    tile_m, tile_k, rows = cfg.tile_m, cfg.tile_k, cfg.wg_rows
+    cta_n = 2 * rows
+    kb = tile_k // 64  # 64-column groups per step
+    k_per = k // cfg.k_splits
+    k_iters = k_per // tile_k
+    m_iters, n_iters = m // tile_m, n // cta_n
+    # scale rows per step: one per 64-column group when blocksize = 64, else the one block
+    scale_rows = max(1, tile_k // blocksize)
+    acc_dtype = jnp.float32
+    out_dtype = jnp.float32 if cfg.k_splits > 1 else dtype
+
+    x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
+    w_swizzle = plgpu.find_swizzle(tile_k * 4, "lhs")
+    w_transforms = (plgpu.TilingTransform((8, w_swizzle * 2)), plgpu.SwizzleTransform(w_swizzle))
+    epi_m = min(64, tile_m)
+    out_bits = jnp.dtype(out_dtype).itemsize * 8
+    store_t = _stores_transposed(cfg)
+    out_swizzle = plgpu.find_swizzle((rows if store_t else epi_m) * out_bits, "out")
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)),
+                      plgpu.SwizzleTransform(out_swizzle))
+    decode = plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType(), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((rows, tile_k), dtype, layout=plgpu.Layout.WGMMA),
+    )(_decode_fn(dtype, kb, rows, blocksize))
+
+    if blocksize <= tile_k:
+        scale_spec = plgpu.BlockSpec((scale_rows, cta_n), lambda kk: (kk, 0))
+    else:  # one scale block spans several steps
+        per = blocksize // tile_k
+        scale_spec = plgpu.BlockSpec((1, cta_n), lambda kk: (kk // per, 0))
+
+    def kernel(x_gmem, w_gmem, s_gmem, code_gmem, out_gmem, out_smem):
+        def pipeline(body, ctx):
+            return plgpu.emit_pipeline_warp_specialized(
+                body,
+                grid=(k_iters,),
+                memory_registers=40,
+                in_specs=[
+                    plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=w_transforms),
+                    plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
+                    scale_spec,
+                    # the code table once per step (the pipeline takes only grid-dependent
+                    # blocks), padded to 128 bytes: a TMA destination slot of 64 bytes left
+                    # the next stage's slot misaligned (CUDA_ERROR_MISALIGNED_ADDRESS, H100)
+                    plgpu.BlockSpec((1, 32), lambda kk: (kk, 0)),
+                ],
+                wg_axis="wg",
+                num_compute_wgs=2,
+                max_concurrent_steps=cfg.max_concurrent_steps,
+                compute_context=ctx,
+            )
+
+        ignore = lambda *_, **__: None
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=pipeline(ignore, ignore).get_allocations(w_gmem, x_gmem, s_gmem, code_gmem),
+            collective_axes="wg")
+        def _scope(allocs):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((m_iters * n_iters * cfg.k_splits,), collective_axes="sm")
+            def _tiles(info):
+                (lin,) = info.index
+                split = lin % cfg.k_splits
+                mn = lin // cfg.k_splits
+                mi, ni = mn % m_iters, mn // m_iters
+                m_sl = pl.ds(mi * tile_m, tile_m)
+                n_sl = pl.ds(ni * cta_n, cta_n)
+                k_sl = pl.ds(split * k_per, k_per)
+                s_sl = pl.ds(split * (k_per // blocksize), max(1, k_per // blocksize))
+                wg_rows = pl.ds(wg * rows, rows)
+
+                def ctx(run):
+                    @functools.partial(pl.run_scoped,
+                                       acc=plgpu.ACC((rows, tile_m), acc_dtype))
+                    def _acc(acc):
+                        run(acc)
+                        res = acc[...].astype(out_dtype)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        dst = out_gmem if store_t else out_gmem.at[split]
+                        if not store_t:
+                            dst = dst.at[n_sl, m_sl].at[wg_rows]
+                        else:
+                            dst = dst.at[m_sl, n_sl].at[:, wg_rows]
+                        for e in range(tile_m // epi_m):
+                            e_sl = slice(e * epi_m, (e + 1) * epi_m)
+                            slot = out_smem.at[wg, e % 2]
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            if not store_t:
+                                slot[...] = res[:, e_sl]
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(slot, dst.at[:, e_sl])
+                            else:  # the (rows, epi_m) tile of y.T stored as y's (epi_m, rows)
+                                plgpu.transpose_ref(slot, (1, 0))[...] = res[:, e_sl]
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(slot, dst.at[e_sl])
+
+                def body(_, w_smem, x_smem, s_smem, code_smem, acc):
+                    w = _load(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
+                    a = decode(w, s_smem.at[:, wg_rows], code_smem.at[0])
+                    plgpu.wgmma(acc, a, plgpu.transpose_ref(x_smem, (1, 0)))
+                    # wait(1) with slots released a step late (decode of step k + 1 under
+                    # this warpgroup's own MMA k) gave NaN on the H100 (s14-6): the A
+                    # registers are reused while the MMA still reads them
+                    plgpu.wgmma_wait(0)
+                    return acc
+
+                pipeline(body, ctx)(
+                    w_gmem.at[n_sl, k_sl], x_gmem.at[m_sl, k_sl], s_gmem.at[s_sl, n_sl],
+                    code_gmem.at[pl.ds(split * k_iters, k_iters)], allocations=allocs)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    num_sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
+    out_shape = (m, n) if store_t else (cfg.k_splits, n, m)
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=dict(
+            out_smem=plgpu.SMEM((2, 2) + ((epi_m, rows) if store_t else (rows, epi_m)), out_dtype,
+                                transforms=out_transforms),
+        ),
+    )
+    code_rows = jnp.broadcast_to(jnp.pad(code, (0, 16)), (k // tile_k, 32))
+    return f(x, w4, scales_t, code_rows)
+
+
+def supports(m, n, k, blocksize):
+    """Shapes the default config takes (N a multiple of 128, K of 64, blocksize >= 64)."""
+    return (supports_4bit(m, n, k, blocksize) and m >= 1
+            and _shape_problem(m, n, k, blocksize, default_config(m, n, k, blocksize)) is None)
+
+
+VARIANTS = (
+    Variant(
+        name="mgpu_decoded_wgmma", op="matmul_4bit", fn=matmul_4bit_mgpu,
+        reference=matmul_4bit_reference, supports=supports, accepts_nested=True,
+        description="Hopper Mosaic GPU: warp-specialized TMA pipeline, 4-bit tile decoded in "
+                    "registers (per-row scaled byte-plane tables, byte permutes) as the wgmma "
+                    "register operand; y.T = W . x.T"),
+)

@@ -1,0 +1,327 @@
+"""The Mosaic GPU 4-bit kernel (`pallas_kernels.matmul_4bit_mgpu`).
+
+On CPU: its two PTX programs run in a small PTX interpreter (the instructions they use, per
+lane, with the quad shuffles across 4 lanes) against the plain table lookup and against
+bitsandbytes' dequantized weight; the tile configs are checked over random shapes; the kernel
+lowers for CUDA (Pallas -> Mosaic GPU, layout inference included); `auto` picks it where it
+should. On a Hopper GPU: the compiled kernel against the reference, and bit for bit against
+bitsandbytes' weight through an identity product.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jqlora import ops, quant
+from jqlora.quant import tables
+from pallas_kernels import matmul_4bit_mgpu as mm
+from pallas_kernels.matmul_4bit import matmul_4bit_reference
+from pallas_kernels.nibble_lookup import _lop3, _prmt
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+# ----------------------------------------------------------------------------- PTX interpreter
+def _run_ptx(ptx: str, operands: dict[int, np.ndarray], n_out: int) -> list[np.ndarray]:
+    """Execute `ptx` (the instruction subset the kernel emits) for a group of lanes at once:
+    every operand is an array over lanes (4 lanes = one quad). Returns $0..$(n_out - 1)."""
+    regs: dict[str, np.ndarray] = {f"${i}": v for i, v in operands.items()}
+    lanes = next(iter(operands.values())).shape[0]
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        if tok.startswith("0x"):
+            return np.full(lanes, int(tok, 16), np.uint32)
+        if re.fullmatch(r"\d+", tok):
+            return np.full(lanes, int(tok), np.uint32)
+        raise AssertionError(f"read before write: {tok}")
+
+    def f32(a):
+        return np.asarray(a, np.uint32).view(np.float32)
+
+    def u32(a):
+        return np.asarray(a, np.float32).view(np.uint32)
+
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        if op == "mul.rn.f32":
+            regs[dst] = u32(f32(val(src[0])) * f32(val(src[1])))
+        elif op.startswith("cvt.rn.") and op.endswith("x2.f32"):
+            dt = {"bf16x2": jnp.bfloat16, "f16x2": jnp.float16}[op.split(".")[2]]
+            half = lambda a: np.asarray(jnp.asarray(f32(a)).astype(dt).view(jnp.uint16),
+                                        np.uint32)
+            regs[dst] = (half(val(src[0])) << 16) | half(val(src[1]))
+        elif op == "prmt.b32":
+            regs[dst] = np.asarray(_prmt(val(src[0]), val(src[1]), val(src[2])), np.uint32)
+        elif op == "lop3.b32":
+            regs[dst] = np.asarray(_lop3(val(src[0]), val(src[1]), val(src[2]),
+                                         int(src[3], 16)), np.uint32)
+        elif op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "shl.b32":
+            regs[dst] = (val(src[0]) << int(src[1])).astype(np.uint32)
+        elif op == "shr.b32":
+            regs[dst] = val(src[0]) >> int(src[1])
+        elif op == "mov.b32":
+            regs[dst] = val(src[0])
+        elif op == "shfl.sync.idx.b32":
+            assert src[2] == "0x1c1f" and lanes % 4 == 0, "only quad shuffles are modelled"
+            j = int(src[1])
+            v = val(src[0]).reshape(-1, 4)
+            regs[dst] = np.repeat(v[:, j], 4)
+        else:
+            raise AssertionError(f"instruction not modelled: {op}")
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+def _tables_by_ptx(absmax: np.ndarray, code: np.ndarray, dtype) -> np.ndarray:
+    """(rows,) absmax -> (rows, 8) table words, each row's table built by a quad of 4 lanes
+    running `_table_ptx` (lane q gets codes 4q..4q+3), as the kernel does."""
+    rows = absmax.shape[0]
+    lanes = np.repeat(np.asarray(absmax, np.float32), 4).view(np.uint32)
+    quad = np.tile(np.arange(4), rows)
+    ops_ = {8: lanes}
+    for i in range(4):
+        ops_[9 + i] = np.asarray(code, np.float32)[4 * quad + i].view(np.uint32)
+    out = _run_ptx(mm._table_ptx(dtype), ops_, 8)
+    words = np.stack(out, axis=-1).reshape(rows, 4, 8)
+    assert (words == words[:, :1]).all(), "the quad's lanes disagree on the table"
+    return words[:, 0]
+
+
+def _lookup_by_ptx(r: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """(L,) packed words and (L, 8) table words -> (L, 4) output words of `_LOOKUP_PTX`."""
+    ops_ = {4: np.asarray(r, np.uint32)}
+    for i in range(8):
+        ops_[5 + i] = np.asarray(words[:, i], np.uint32)
+    return np.stack(_run_ptx(mm._LOOKUP_PTX, ops_, 4), axis=-1)
+
+
+def _expected_pairs(r, absmax, code, dtype):
+    """o_b = (round(code[hi(b)] * a) in bits 0-15, round(code[lo(b)] * a) in bits 16-31)."""
+    vals = np.asarray(jnp.asarray(np.asarray(code, np.float32)[None] * absmax[:, None])
+                      .astype(dtype).view(jnp.uint16), np.uint32)  # (L, 16)
+    out = []
+    for b in range(4):
+        byte = (r >> (8 * b)) & 0xFF
+        hi = np.take_along_axis(vals, (byte >> 4)[:, None].astype(np.int64), 1)[:, 0]
+        lo = np.take_along_axis(vals, (byte & 15)[:, None].astype(np.int64), 1)[:, 0]
+        out.append(hi | (lo << 16))
+    return np.stack(out, axis=-1)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@given(seed=st.integers(0, 2**31 - 1))
+def test_ptx_programs_decode_every_byte(quant_type, dtype, seed):
+    """The table PTX (fp32 products, one rounding, quad-shared) and the lookup PTX turn every
+    packed byte into (code[hi] * absmax, code[lo] * absmax) in x's dtype: all 256 byte values
+    in each of the 4 byte positions, on random scales spanning 2^-20..2^4."""
+    rng = np.random.default_rng(seed)
+    code = tables.code_4bit(quant_type)
+    n = 256
+    absmax = (2.0 ** rng.uniform(-20, 4, n)).astype(np.float32)
+    words = _tables_by_ptx(absmax, code, dtype)
+    np.testing.assert_array_equal(
+        words, np.asarray(mm.emulate_table_words(absmax, jnp.asarray(code), DTYPES[dtype])))
+    perm = [rng.permutation(256) for _ in range(4)]
+    r = sum(perm[b].astype(np.uint32) << (8 * b) for b in range(4)).astype(np.uint32)
+    got = _lookup_by_ptx(r, words)
+    np.testing.assert_array_equal(got, _expected_pairs(r, absmax, code, DTYPES[dtype]))
+    emulated = np.stack([np.asarray(o) for o in jax.vmap(mm.emulate_lookup_words)(
+        jnp.asarray(r), jnp.asarray(words))], axis=-1)
+    np.testing.assert_array_equal(emulated, got)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_decode_reproduces_bitsandbytes_weight(dtype):
+    """Rows of a real quantized weight (double-quantized scales, bitsandbytes' byte order)
+    through the two PTX programs word by word: bit for bit `quant.dequantize(q, dtype)`."""
+    n, k = 8, 256
+    w = jax.random.normal(jax.random.key(3), (n, k), jnp.float32) * 0.1
+    q = quant.quantize_4bit(w, "nf4", 64, True)
+    absmax = np.asarray(quant.absmax_f32(q)).reshape(n, k // 64)
+    packed = np.asarray(q.packed).reshape(n, k // 2)
+    words4 = packed.reshape(n, k // 8, 4).astype(np.uint32)
+    r = (words4 * (1 << (8 * np.arange(4, dtype=np.uint32)))).sum(-1).astype(np.uint32)
+    blk = (np.arange(k // 8) * 8) // 64  # each word of 8 codes lies in one scale block
+    tab = _tables_by_ptx(absmax.reshape(-1), np.asarray(q.code), dtype).reshape(n, k // 64, 8)
+    got = _lookup_by_ptx(r.reshape(-1), tab[:, blk].reshape(-1, 8)).reshape(n, k // 8, 4)
+    halves = np.stack([got & 0xFFFF, got >> 16], axis=-1).reshape(n, k).astype(np.uint16)
+    want = np.asarray(quant.dequantize(q, DTYPES[dtype]).view(jnp.uint16))
+    np.testing.assert_array_equal(halves, want)
+
+
+# ----------------------------------------------------------------------------- configs
+@given(m=st.integers(1, 4096), n128=st.integers(1, 160), k64=st.integers(1, 400),
+       log_bs=st.integers(6, 12))
+def test_default_config_is_valid_wherever_supported(m, n128, k64, log_bs):
+    n, k, bs = 128 * n128, 64 * k64, 1 << log_bs
+    if k % bs:
+        return
+    cfg = mm.default_config(m, n, k, bs)
+    assert mm.supports(m, n, k, bs)
+    assert mm._shape_problem(m, n, k, bs, cfg) is None
+    assert cfg.tile_m in (16, 32, 64, 128, 256)
+    assert mm.smem_bytes(cfg, bs) <= mm._SMEM_LIMIT
+    assert cfg.tile_m >= m or m > 64  # small M: one token tile holds all rows
+    tiles = -(-m // cfg.tile_m) * (n // 128)
+    assert cfg.k_splits == 1 or tiles * cfg.k_splits <= mm._SMS
+
+
+def test_default_config_follows_the_measured_choices():
+    """The configs the session-14 H100 sweeps measured fastest (module docstring)."""
+    c = mm.default_config
+    assert c(16, 4096, 4096, 64) == mm.Config(tile_m=16, tile_k=128, k_splits=4)
+    assert c(64, 4096, 14336, 64) == mm.Config(tile_m=64, tile_k=128, k_splits=4)
+    assert c(128, 14336, 4096, 64) == mm.Config(tile_m=128, tile_k=128, k_splits=1)
+    assert c(256, 4096, 4096, 64) == mm.Config(tile_m=128, tile_k=128, k_splits=2,
+                                               max_concurrent_steps=3)  # fp32 epilogue slots
+    assert c(256, 14336, 4096, 64) == mm.Config(tile_m=256, tile_k=64, k_splits=1)
+    assert c(1024, 4096, 4096, 64) == mm.Config(tile_m=256, tile_k=64, k_splits=1)
+
+
+def test_unsupported_shapes_and_inputs_get_clear_errors():
+    assert not mm.supports(16, 100, 4096, 64)  # N not a multiple of 128
+    assert not mm.supports(16, 128, 4096, 32)  # blocksize 32
+    assert mm._shape_problem(16, 128, 4096, 64, mm.Config(tile_m=12)) is not None
+    w = jax.random.normal(jax.random.key(0), (128, 256)) * 0.1
+    q = quant.quantize_4bit(w, "nf4", 64, False)
+    args = (q.packed.reshape(128, 128), q.absmax.reshape(128, 4), q.code)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        mm.matmul_4bit_mgpu(jnp.ones((4, 256), jnp.float32), *args, blocksize=64)
+    with pytest.raises(ValueError, match="N .100. must be a multiple of 128"):
+        mm.matmul_4bit_mgpu(jnp.ones((4, 256), jnp.bfloat16), args[0][:100], args[1][:100],
+                            args[2], blocksize=64)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        mm.matmul_4bit_mgpu(jnp.ones((4, 256), jnp.bfloat16), *args, blocksize=64,
+                            config=mm.Config(tile_m=256, tile_k=128))
+    with pytest.raises(NotImplementedError, match="no interpret mode"):
+        mm.matmul_4bit_mgpu(jnp.ones((4, 256), jnp.bfloat16), *args, blocksize=64,
+                            interpret=True)
+    with pytest.raises(ValueError, match="columns but the weight needs"):
+        mm.matmul_4bit_mgpu(jnp.ones((4, 128), jnp.bfloat16), *args, blocksize=64)
+
+
+# ----------------------------------------------------------------------------- lowering, plan
+def _lower(m, n, k, bs, cfg, dtype=jnp.bfloat16, nested=True):
+    w = jax.ShapeDtypeStruct((n, k), jnp.float32)
+    q = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", bs, nested), w)
+    x = jax.ShapeDtypeStruct((m, k), dtype)
+
+    def f(x, q):
+        absmax = q.absmax.reshape(n, k // bs)
+        nest = (q.nested_absmax, q.nested_code, q.offset) if nested else None
+        return mm.matmul_4bit_mgpu(x, q.packed.reshape(n, k // 2), absmax, q.code,
+                                   blocksize=bs, nested=nest, config=cfg)
+
+    try:
+        return jax.jit(f).trace(x, q).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001
+        if "Unable to" in str(e) or "no CUDA" in str(e):  # pragma: no cover
+            pytest.skip(f"this jax cannot lower Mosaic GPU kernels without a GPU: {e}")
+        raise
+
+
+@pytest.mark.parametrize("m,n,k,bs,cfg,dtype,nested", [
+    (16, 256, 1024, 64, mm.Config(tile_m=16, tile_k=128, k_splits=4), jnp.bfloat16, True),
+    (200, 256, 1024, 128, mm.Config(tile_m=128, tile_k=128, k_splits=2, max_concurrent_steps=3),
+     jnp.float16, False),
+    (256, 256, 512, 256, mm.Config(tile_m=256, tile_k=64), jnp.bfloat16, True),
+    (64, 256, 512, 64, mm.Config(tile_m=64, wg_rows=128), jnp.bfloat16, True),
+])
+def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
+    """Pallas -> Mosaic GPU on a machine without a GPU: the pipeline, the layouts Mosaic infers
+    around the decode, and the decode's register program are all built here."""
+    text = _lower(m, n, k, bs, cfg, dtype, nested)
+    assert "mosaic_gpu" in text
+
+
+def test_auto_picks_the_mosaic_kernel_on_hopper(monkeypatch):
+    from jqlora.ops import backends
+
+    monkeypatch.setattr(backends, "on_gpu", lambda: True)
+    monkeypatch.setattr(backends, "mgpu_available", lambda: True)
+    w = jax.random.normal(jax.random.key(0), (256, 512)) * 0.1
+    q = quant.quantize_4bit(w, "nf4", 64, True)
+    plan = lambda m, dtype="bfloat16": backends.choose_plan(q, m, "auto", dtype=dtype)
+    assert plan(1).fwd == plan(2).fwd == "gemv_block_scaled"
+    for m in (3, 16, 64, 65, 128, 1024):
+        assert plan(m) == backends.Plan("pallas", "mgpu_decoded_wgmma", "dequant_dot_t")
+        assert plan(m, "float16").fwd == "mgpu_decoded_wgmma"
+    assert plan(1025).fwd == "dequant_dot"
+    assert plan(16, "float32").fwd == "block_scaled_dot_prmt"  # 16-bit operands only
+    assert plan(16, None).fwd == "block_scaled_dot_prmt"
+    q100 = quant.quantize_4bit(w[:100], "nf4", 64, True)  # N not a multiple of 128
+    assert backends.choose_plan(q100, 16, "auto", dtype="bfloat16").fwd == "block_scaled_dot_prmt"
+    monkeypatch.setattr(backends, "mgpu_available", lambda: False)
+    assert plan(128).fwd == "dequant_dot"
+
+
+# ----------------------------------------------------------------------------- on a Hopper GPU
+gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosaic GPU")
+
+
+def _quantized(n, k, bs, quant_type="nf4", nested=True, seed=0):
+    w = jax.random.normal(jax.random.key(seed), (n, k), jnp.float32) * 0.05
+    q = quant.quantize_4bit(w, quant_type, bs, nested)
+    nest = (q.nested_absmax, q.nested_code, q.offset) if nested else None
+    return q, (q.packed.reshape(n, k // 2), q.absmax.reshape(n, k // bs), q.code), nest
+
+
+@gpu
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("cfg", [None, mm.Config(tile_m=128, k_splits=2),
+                                 mm.Config(tile_m=256, tile_k=128, max_concurrent_steps=2)])
+def test_identity_product_gives_bitsandbytes_weight(dtype, cfg):
+    """x = I: each output is one product 1 * w, exact in fp32, so y.T must equal bitsandbytes'
+    dequantized weight bit for bit (decode, scales, layouts and the transposed store)."""
+    n, k = 256, 256
+    q, args, nest = _quantized(n, k, 64)
+    eye = jnp.eye(k, dtype=DTYPES[dtype])
+    y = mm.matmul_4bit_mgpu(eye, *args, blocksize=64, nested=nest, config=cfg)
+    np.testing.assert_array_equal(np.asarray(y.T.view(jnp.uint16)),
+                                  np.asarray(quant.dequantize(q, DTYPES[dtype]).view(jnp.uint16)))
+
+
+@gpu
+@pytest.mark.parametrize("m,n,k,bs,quant_type,nested,dtype", [
+    (1, 256, 512, 64, "nf4", True, "bfloat16"),
+    (16, 512, 1024, 64, "nf4", True, "bfloat16"),
+    (200, 256, 1024, 128, "fp4", False, "float16"),
+    (300, 384, 2048, 256, "nf4", True, "bfloat16"),
+    (1024, 256, 512, 64, "nf4", True, "float16"),
+])
+def test_matches_reference(m, n, k, bs, quant_type, nested, dtype):
+    q, args, nest = _quantized(n, k, bs, quant_type, nested, seed=m)
+    x = jax.random.normal(jax.random.key(m + 1), (m, k), jnp.float32).astype(DTYPES[dtype])
+    y = mm.matmul_4bit_mgpu(x, *args, blocksize=bs, nested=nest)
+    assert y.shape == (m, n) and y.dtype == DTYPES[dtype]
+    absmax = quant.absmax_f32(q).reshape(n, k // bs)
+    ref = matmul_4bit_reference(x.astype(jnp.float32), args[0], absmax, args[2], blocksize=bs)
+    err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    assert err < (4e-3 if dtype == "bfloat16" else 1e-3), err
+
+
+@gpu
+def test_qmatmul_auto_runs_it_forward_and_backward():
+    q, _, _ = _quantized(512, 1024, 64)
+    x = jax.random.normal(jax.random.key(9), (2, 64, 1024), jnp.bfloat16)
+    y, pull = jax.vjp(lambda x: ops.qmatmul(x, q), x)
+    ref = ops.qmatmul(x, q, backend="pallas", variant="dequant_dot")
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    (dx,) = pull(jnp.ones_like(y))
+    assert dx.shape == x.shape and bool(jnp.all(jnp.isfinite(dx.astype(jnp.float32))))
