@@ -515,14 +515,14 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(slot, dst.at[:, e_sl])
                             else:  # the (rows, epi_m) tile of y.T stored as y's (epi_m, rows)
-                                plgpu.transpose_ref(slot, (1, 0))[...] = res[:, e_sl]
+                                slot.T[...] = res[:, e_sl]
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(slot, dst.at[e_sl])
 
                 def body(_, w_smem, x_smem, s_smem, code_smem, acc):
                     w = _load(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
                     a = decode(w, s_smem.at[:, wg_rows], code_smem.at[0])
-                    plgpu.wgmma(acc, a, plgpu.transpose_ref(x_smem, (1, 0)))
+                    plgpu.wgmma(acc, a, x_smem.T)
                     # wait(1) with slots released a step late (decode of step k + 1 under
                     # this warpgroup's own MMA k) gave NaN on the H100 (s14-6): the A
                     # registers are reused while the MMA still reads them
