@@ -21,6 +21,7 @@ from benchmarks.sweep_setup import bf16_us, nf4_weight_copies, record_row, write
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora import ops, quant
 from pallas_kernels import matmul_4bit_mgpu as mm
+from pallas_kernels import matmul_4bit_mgpu_t as mt
 from pallas_kernels.matmul_4bit import matmul_4bit_reference
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
@@ -101,6 +102,80 @@ def check(out: list) -> None:
         out.append(rec)
 
 
+def _config_t(text: str) -> mt.ConfigT | None:
+    if text == "default":
+        return None
+    items = (kv.split("=") for kv in text.split(",") if kv)
+    return mt.ConfigT(**{k: int(v) for k, v in items})
+
+
+def _mgpu_t(dy, q, cfg):
+    n, k = q.shape
+    absmax = quant.absmax_f32(q).reshape(n, k // q.blocksize)
+    return mt.matmul_4bit_mgpu_t(dy, q.packed.reshape(n, k // 2), absmax, q.code,
+                                 blocksize=q.blocksize, config=cfg)
+
+
+def check_t(out: list) -> None:
+    """The backward kernel: dy = I gives dequant(W) itself (each output one product 1 * w, so
+    bit for bit bitsandbytes' weight); random dy against the float32 reference."""
+    from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
+    for (m, n, k, bs, dt, cfg_text) in ((256, 256, 512, 64, jnp.bfloat16, "default"),
+                                        (256, 256, 512, 64, jnp.float16, "tile_n=128"),
+                                        (256, 256, 512, 128, jnp.bfloat16, "n_splits=2")):
+        w = jax.random.normal(jax.random.key(n + k), (n, k), jnp.float32) * 0.05
+        q = quant.quantize_4bit(w, "nf4", bs, True)
+        rec = dict(part="check_t", m=m, n=n, k=k, blocksize=bs, dtype=jnp.dtype(dt).name,
+                   config=cfg_text)
+        try:
+            eye = jnp.eye(n, dtype=dt)
+            got = jax.jit(lambda d, q: _mgpu_t(d, q, _config_t(cfg_text)))(eye, q)
+            want = quant.dequantize(q, dt)
+            rec["identity_bit_exact"] = bool(jnp.all(got.view(jnp.uint16) == want.view(jnp.uint16)))
+            for mm_ in (1, 100, 1000):
+                dy = jax.random.normal(jax.random.key(mm_), (mm_, n), jnp.float32).astype(dt)
+                got = jax.jit(lambda d, q: _mgpu_t(d, q, _config_t(cfg_text)))(dy, q)
+                absmax = quant.absmax_f32(q).reshape(n, k // bs)
+                ref = matmul_4bit_t_reference(dy.astype(jnp.float32), q.packed.reshape(n, k // 2),
+                                              absmax, q.code, blocksize=bs)
+                rec[f"rel_m{mm_}"] = float(jnp.linalg.norm(got.astype(jnp.float32) - ref)
+                                           / jnp.linalg.norm(ref))
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+
+
+def time_backward(out: list, ms, shapes, configs) -> None:
+    """dx = dy @ W: the dense bf16 product, dequant_dot_t (the default before) and the Mosaic
+    backward kernel's configs."""
+    for k, n in shapes:
+        copies, dense, qs = nf4_weight_copies(k, n)
+        for m in ms:
+            dy = jax.random.normal(jax.random.key(m), (m, n), jnp.bfloat16)
+            dys = distinct_copies(dy, copies)
+            res = dict(k=k, n=n, m=m, part="bwd")
+            res["bf16"] = us_per_product(lambda ds, ws: [d @ w for d, w in zip(ds, ws)],
+                                         (dys, dense), copies)
+            res["dequant_dot_t"] = us_per_product(
+                lambda ds, qs: [_dd_t(d, q) for d, q in zip(ds, qs)], (dys, qs), copies)
+            for text in configs:
+                cfg = _config_t(text)
+                res[f"mgpu_t {text}"] = us_per_product(
+                    lambda ds, qs, cfg=cfg: [_mgpu_t(d, q, cfg) for d, q in zip(ds, qs)],
+                    (dys, qs), copies)
+            record_row(res, out)
+
+
+def _dd_t(dy, q):
+    """dequant_dot_t as `qmatmul`'s backward runs it (scales de-nested by XLA)."""
+    from pallas_kernels.matmul_4bit_t import matmul_4bit_t_dequant_dot
+    n, k = q.shape
+    absmax = quant.absmax_f32(q).reshape(n, k // q.blocksize)
+    return matmul_4bit_t_dequant_dot(dy, q.packed.reshape(n, k // 2), absmax, q.code,
+                                     blocksize=q.blocksize)
+
+
 def time_configs(out: list, ms, shapes, configs) -> None:
     for k, n in shapes:
         copies, dense, qs = nf4_weight_copies(k, n)
@@ -124,7 +199,7 @@ def time_configs(out: list, ms, shapes, configs) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=("check", "time"))
+    ap.add_argument("part", choices=("check", "time", "check_t", "bwd"))
     ap.add_argument("--ms", default="128,2048,8192")
     ap.add_argument("--shapes", default=",".join(f"{k}:{n}" for k, n in SHAPES))
     ap.add_argument("--configs", default=";".join(CONFIGS))
@@ -133,6 +208,11 @@ def main():
     try:
         if a.part == "check":
             check(out)
+        elif a.part == "check_t":
+            check_t(out)
+        elif a.part == "bwd":
+            shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
+            time_backward(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"))
         else:
             shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
             time_configs(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"))

@@ -46,6 +46,12 @@ DECODED_DOT_MAX_M_4BIT = 64
 # M = 128 1.00 / 0.93 / 0.86 against dequant_dot's 1.71 / 2.45 / 2.17; M = 1024 (4096x4096)
 # 1.21 against 1.34. At M = 2048 dequant_dot is ahead (1.21-1.24 against 1.23-1.28).
 MGPU_MAX_M_4BIT = 1024
+# 4-bit backward (dx = dy @ W) on Hopper with 16-bit dy, M <= this: the Mosaic GPU backward
+# kernel (mgpu_decoded_wgmma_t: weight tiles decoded to shared memory, dy . W by wgmma). H100,
+# s14-10 (results/..._s14_mgpu_bwd.json; ratio to the dense bf16 dy @ W): M = 16 1.64 / 1.47 /
+# 1.52 against dequant_dot_t's 1.81 / 2.44 / 2.36; M = 128 1.50 / 1.50 / 1.83 against 1.74 /
+# 2.24 / 2.46. At M = 256 dequant_dot_t is ahead (1.73-2.21 against 2.17-2.98).
+MGPU_T_MAX_M_4BIT = 128
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
@@ -60,6 +66,7 @@ DEFAULT_4BIT_FWD_GEMV = "gemv_block_scaled"
 DEFAULT_4BIT_FWD_BLOCK_DOT = "block_scaled_dot_prmt"
 DEFAULT_4BIT_FWD_DECODED_DOT = "decoded_dot_prmt"
 DEFAULT_4BIT_FWD_MGPU = "mgpu_decoded_wgmma"
+DEFAULT_4BIT_BWD_MGPU = "mgpu_decoded_wgmma_t"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
 # INT8 (H200, 2026-11-21, benchmarks/results README, session 4): at M <= 16 the split-K kernel
@@ -112,29 +119,43 @@ def _kernel_shape_problem(q) -> str | None:
     return None
 
 
-def _mgpu_fits(q: Weight4bit, m: int, dtype) -> bool:
-    from pallas_kernels import matmul_4bit_mgpu
+def _mgpu_fits(q: Weight4bit, m: int, dtype, backward: bool = False) -> bool:
+    """Whether the Mosaic GPU kernels take this product: Hopper, 16-bit operands, their shapes,
+    and M in the range where they measured faster."""
+    from pallas_kernels import matmul_4bit_mgpu, matmul_4bit_mgpu_t
 
-    return (GEMV_MAX_M_4BIT < m <= MGPU_MAX_M_4BIT and dtype in ("bfloat16", "float16")
-            and matmul_4bit_mgpu.supports(m, q.shape[0], q.shape[1], q.blocksize)
-            and mgpu_available())
+    n, k, bs = q.shape[0], q.shape[1], q.blocksize
+    if dtype not in ("bfloat16", "float16"):
+        return False
+    if backward:
+        fits = m <= MGPU_T_MAX_M_4BIT and matmul_4bit_mgpu_t.supports_t(m, n, k, bs)
+    else:
+        fits = GEMV_MAX_M_4BIT < m <= MGPU_MAX_M_4BIT and matmul_4bit_mgpu.supports(m, n, k, bs)
+    return fits and mgpu_available()
 
 
 def _variants_for(q, m: int, numerics: str, dtype: str | None) -> tuple[str, str]:
     if isinstance(q, Weight4bit):
-        if m <= GEMV_MAX_M_4BIT:
-            return DEFAULT_4BIT_FWD_GEMV, DEFAULT_4BIT_BWD_SMALL
+        fwd, bwd = _variants_4bit(m)
         if _mgpu_fits(q, m, dtype):
-            bwd = DEFAULT_4BIT_BWD_SMALL if m <= DECODED_DOT_MAX_M_4BIT else DEFAULT_4BIT_BWD_LARGE
-            return DEFAULT_4BIT_FWD_MGPU, bwd
-        if m <= BLOCK_DOT_MAX_M_4BIT:
-            return DEFAULT_4BIT_FWD_BLOCK_DOT, DEFAULT_4BIT_BWD_SMALL
-        if m <= DECODED_DOT_MAX_M_4BIT:
-            return DEFAULT_4BIT_FWD_DECODED_DOT, DEFAULT_4BIT_BWD_SMALL
-        return DEFAULT_4BIT_FWD_LARGE, DEFAULT_4BIT_BWD_LARGE
+            fwd = DEFAULT_4BIT_FWD_MGPU
+        if _mgpu_fits(q, m, dtype, backward=True):
+            bwd = DEFAULT_4BIT_BWD_MGPU
+        return fwd, bwd
     if numerics == "llm_int8":
         return DEFAULT_LLM_INT8, DEFAULT_INT8_BWD
     return (DEFAULT_INT8_FWD_SMALL if m <= SMALL_M else DEFAULT_INT8_FWD_LARGE), DEFAULT_INT8_BWD
+
+
+def _variants_4bit(m: int) -> tuple[str, str]:
+    """The 4-bit kernels for M rows where the Mosaic GPU ones do not apply."""
+    if m <= GEMV_MAX_M_4BIT:
+        return DEFAULT_4BIT_FWD_GEMV, DEFAULT_4BIT_BWD_SMALL
+    if m <= BLOCK_DOT_MAX_M_4BIT:
+        return DEFAULT_4BIT_FWD_BLOCK_DOT, DEFAULT_4BIT_BWD_SMALL
+    if m <= DECODED_DOT_MAX_M_4BIT:
+        return DEFAULT_4BIT_FWD_DECODED_DOT, DEFAULT_4BIT_BWD_SMALL
+    return DEFAULT_4BIT_FWD_LARGE, DEFAULT_4BIT_BWD_LARGE
 
 
 def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics: str = "weight_only",
