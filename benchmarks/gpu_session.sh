@@ -19,7 +19,7 @@ case "${1:-tests}" in
       tests/test_models.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
   bench)
     # variants at M = 1, 16, 2048 only and a matmul time budget: the whole run fits one 10-minute call
-    timeout 560 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 330 \
+    timeout 570 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 270 \
       --tag "${TAG:-}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  M=" | tail -20 ;;
   train)
     # end-to-end QLoRA step, both sides in this one call (protocol); `train 8b` for the 8B shape

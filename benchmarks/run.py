@@ -96,6 +96,60 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def results_from_log(path: str, device: str, date: str, versions_text: str) -> dict:
+    """Rebuild a run's results from its log (the lines `log` printed: one per matmul contender,
+    then dequant and memory), for a run stopped before it wrote its files (a device call's time
+    limit). Device, date and versions are not in the log: the caller states them."""
+    import ast
+    import re
+
+    res = {"device": device, "date": date, "from_log": os.path.basename(path),
+           "versions": dict(kv.split("=", 1) for kv in versions_text.split(",") if kv),
+           "variants": [], "matmul": []}
+    cells: dict = {}
+    pat = re.compile(r"^  M=(\d+) K=(\d+) N=(\d+) (.+?): (\{.*\})$")
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if mt := pat.match(line):
+                m, k, n = (int(v) for v in mt.groups()[:3])
+                try:
+                    row = ast.literal_eval(mt.group(5))
+                except (ValueError, SyntaxError) as e:
+                    raise ValueError(f"{path}:{number}: unreadable contender line: {e}") from e
+                cells.setdefault((m, k, n), {})[mt.group(4)] = row
+            elif sk := re.match(r"^  M=(\d+) K=(\d+) N=(\d+): skipped", line):
+                m, k, n = (int(v) for v in sk.groups())
+                res.setdefault("skipped_cells", []).append({"m": m, "k": k, "n": n})
+            elif line.startswith("dequant: "):
+                res["dequant"] = ast.literal_eval(line[len("dequant: "):])
+            elif line.startswith("memory "):
+                mode, _, body = line[len("memory "):].partition(": ")
+                res.setdefault("memory", {})[mode] = ast.literal_eval(body)
+    if not cells:
+        raise ValueError(f"{path}: no matmul contender lines (\"  M=.. K=.. N=.. name: {{...}}\")")
+    res["matmul"] = [{"m": m, "k": k, "n": n, "rows": rows} for (m, k, n), rows in cells.items()]
+    res["variants"] = sorted({name.removeprefix("variant ") for rows in cells.values()
+                              for name in rows if name.startswith("variant ")})
+    return res
+
+
+def write_results(res: dict, out_dir: str, tag: str, log=print) -> str:
+    """<out>/<gpu>-<date><tag>.json and .md, each written to a temporary name and renamed."""
+    for c in res["matmul"]:
+        c["ratios"] = matmul_bench.ratios(c["rows"])
+    os.makedirs(out_dir, exist_ok=True)
+    gpu = res["device"].lower().replace(" ", "-")
+    stem = os.path.join(out_dir, f"{gpu}-{res['date']}{tag}")
+    for ext, text in ((".json", json.dumps(res, indent=1)), (".md", markdown(res))):
+        tmp = stem + ext + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, stem + ext)
+    log(f"wrote {stem}.json and {stem}.md")
+    return stem
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--ms", default=",".join(map(str, matmul_bench.MS)))
@@ -112,7 +166,19 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=None,
                    help="matmul cells started after this many seconds are recorded as skipped, so "
                         "dequant, memory, torch and the result files still come out in a time limit")
+    p.add_argument("--from-log", default=None, metavar="LOG",
+                   help="no measuring: rebuild the result files from the log of a run that was "
+                        "stopped before writing them (with --device-name, --date, --versions)")
+    p.add_argument("--device-name", default=None)
+    p.add_argument("--date", default=None)
+    p.add_argument("--versions", default="", help="with --from-log: e.g. jax=0.11.2,triton=3.6.0")
     a = p.parse_args(argv)
+    if a.from_log:
+        if not (a.device_name and a.date):
+            p.error("--from-log needs --device-name and --date (the log holds neither)")
+        write_results(results_from_log(a.from_log, a.device_name, a.date, a.versions), a.out,
+                      a.tag)
+        return 0
     if jax.default_backend() != "gpu":
         print("jqlora bench: no GPU found; the benchmark measures GPU kernels only.", file=sys.stderr)
         return 2
@@ -154,17 +220,7 @@ def main(argv=None):
             torch_res = {}
         for c in res["matmul"]:
             c["rows"].update(torch_res.get(f"{c['m']}x{c['k']}x{c['n']}", {}))
-    for c in res["matmul"]:
-        c["ratios"] = matmul_bench.ratios(c["rows"])
-    os.makedirs(a.out, exist_ok=True)
-    gpu = res["device"].lower().replace(" ", "-")
-    stem = os.path.join(a.out, f"{gpu}-{res['date']}{a.tag}")
-    for ext, text in ((".json", json.dumps(res, indent=1)), (".md", markdown(res))):
-        tmp = stem + ext + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, stem + ext)
-    log(f"wrote {stem}.json and {stem}.md")
+    write_results(res, a.out, a.tag, log)
     return 0
 
 

@@ -52,3 +52,48 @@ def test_markdown_lists_targets_dequant_and_memory(tmp_path, capsys):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(res))
     assert ts.main([str(path)]) == 0 and "## targets" in capsys.readouterr().out
+
+
+def _write_log(tmp_path, lines):
+    path = tmp_path / "bench.log"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_results_rebuilt_from_the_log_of_a_stopped_run(tmp_path):
+    """A run killed after its measurements (a device call's time limit): its log holds every
+    contender line, dequant and memory; --from-log writes the same result files from it."""
+    log = _write_log(tmp_path, [
+        "  M=1 K=4096 N=4096 jnp.dot bf16: {'fwd_ms': 0.02, 'fwd_bwd_ms': 0.04}",
+        "  M=1 K=4096 N=4096 qmatmul pallas (auto plan): {'fwd_ms': 0.01, 'fwd_bwd_ms': 0.05}",
+        "  M=1 K=4096 N=4096 variant mgpu_decoded_wgmma: {'fwd_ms': 0.015}",
+        "  M=16 K=14336 N=4096: skipped (time budget 270 s spent)",
+        "WARNING: something else the run printed",
+        "dequant: {'shape': [14336, 4096], 'copy_tb_s': 2.9, 'variants': {'dequant_tiled': "
+        "{'ms': 0.05, 'tb_s': 2.7, 'fraction_of_copy': 0.93}}}",
+        "memory qmatmul: {'mode': 'qmatmul', 'growth_minus_activations_in_dense_layers': -3.9}",
+    ])
+    res = run.results_from_log(log, "NVIDIA H100 80GB HBM3", "2026-11-25", "jax=0.11.2")
+    assert res["versions"] == {"jax": "0.11.2"} and res["variants"] == ["mgpu_decoded_wgmma"]
+    (cell,) = res["matmul"]
+    assert (cell["m"], cell["k"], cell["n"]) == (1, 4096, 4096)
+    assert cell["rows"]["qmatmul pallas (auto plan)"]["fwd_ms"] == 0.01
+    assert res["skipped_cells"] == [{"m": 16, "k": 14336, "n": 4096}]
+    assert res["dequant"]["variants"]["dequant_tiled"]["fraction_of_copy"] == 0.93
+    assert run.main(["--from-log", log, "--device-name", "NVIDIA H100 80GB HBM3",
+                     "--date", "2026-11-25", "--out", str(tmp_path), "--tag", "_x"]) == 0
+    written = json.loads((tmp_path / "nvidia-h100-80gb-hbm3-2026-11-25_x.json").read_text())
+    assert written["matmul"][0]["ratios"]["qmatmul pallas (auto plan)"]["fwd_ms"] == 0.5
+    assert "| NF4 | 1 | fwd | <= 0.33 |" in (tmp_path / "nvidia-h100-80gb-hbm3-2026-11-25_x.md"
+                                             ).read_text()
+
+
+def test_a_malformed_log_line_is_named(tmp_path):
+    import pytest
+
+    log = _write_log(tmp_path, ["  M=1 K=64 N=64 jnp.dot bf16: {'fwd_ms': 0.02,,}"])
+    with pytest.raises(ValueError, match=r"bench.log:1: unreadable contender line"):
+        run.results_from_log(log, "GPU", "2026-11-25", "")
+    empty = _write_log(tmp_path, ["nothing here"])
+    with pytest.raises(ValueError, match="no matmul contender lines"):
+        run.results_from_log(empty, "GPU", "2026-11-25", "")
