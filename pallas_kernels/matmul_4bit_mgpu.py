@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels import nibble_lookup
 from pallas_kernels.dequantize_4bit import (
     check_4bit_weight, denest_absmax_reference, supports_4bit)
 from pallas_kernels.matmul_4bit import check_x, matmul_4bit_reference
@@ -91,34 +92,10 @@ _TABLE_WORDS = ("L0", "L1", "L2", "L3", "H0", "H1", "H2", "H3")
 _OUTPUTS = ("o0", "o1", "o2", "o3")
 
 
-def _program_ptx(program, inputs: dict[str, str], outputs) -> str:
-    """PTX text of `program` with named inputs bound to operands; outputs moved last."""
-    temps = sorted({dst for _, dst, *_ in program})
-    local = {t: f"q_{t}" for t in temps}
-
-    def reg(v):
-        if isinstance(v, int):
-            return f"{v:#x}"
-        return inputs.get(v) or local[v]
-
-    lines = ["{", f".reg .b32 {', '.join(local.values())};"]
-    for op, dst, *src in program:
-        if op == "lop3":
-            lines.append(f"lop3.b32 {reg(dst)}, {reg(src[0])}, {reg(src[1])}, {reg(src[2])}, "
-                         f"{src[3]:#x};")
-        elif op in ("shr", "shl"):
-            lines.append(f"{op}.b32 {reg(dst)}, {reg(src[0])}, {src[1]};")
-        else:
-            lines.append(f"{op}.b32 {reg(dst)}, {', '.join(reg(s) for s in src)};")
-    lines += [f"mov.b32 ${i}, {local[name]};" for i, name in enumerate(outputs)]
-    lines.append("}")
-    return "\n".join(lines)
-
-
-_LOOKUP_PTX = _program_ptx(
+_LOOKUP_PTX = nibble_lookup.program_ptx(
     _LOOKUP_PROGRAM,
     {"r": "$4", **{w: f"${5 + i}" for i, w in enumerate(_TABLE_WORDS)}},
-    _OUTPUTS)
+    _OUTPUTS, prefix="q_")
 
 
 def _table_ptx(dtype) -> str:
@@ -141,39 +118,12 @@ def _table_ptx(dtype) -> str:
 
 
 # --------------------------------------------------------------------------- jnp emulation
-def _emulate_prmt(a, b, sel):
-    from pallas_kernels.nibble_lookup import _prmt
-    return _prmt(a, b, sel)
-
-
-def _emulate_lop3(a, b, c, lut):
-    from pallas_kernels.nibble_lookup import _lop3
-    return _lop3(a, b, c, lut)
-
-
 def emulate_lookup_words(r, table_words):
     """Run `_LOOKUP_PROGRAM` on uint32 words r (any shape) with table_words (8,) uint32:
     returns the four output words o0..o3 (uint32, shaped like r)."""
     regs = {"r": jnp.asarray(r, jnp.uint32)}
     regs.update({w: table_words[i] for i, w in enumerate(_TABLE_WORDS)})
-
-    def val(v):
-        return regs[v] if isinstance(v, str) else jnp.uint32(v)
-
-    for op, dst, *src in _LOOKUP_PROGRAM:
-        a = val(src[0])
-        if op == "and":
-            regs[dst] = a & val(src[1])
-        elif op == "shr":
-            regs[dst] = a >> src[1]
-        elif op == "shl":
-            regs[dst] = a << src[1]
-        elif op == "prmt":
-            regs[dst] = _emulate_prmt(a, val(src[1]), val(src[2]))
-        elif op == "lop3":
-            regs[dst] = _emulate_lop3(a, val(src[1]), val(src[2]), src[3])
-        else:  # pragma: no cover - the program is fixed above
-            raise AssertionError(op)
+    regs = nibble_lookup.run_program(_LOOKUP_PROGRAM, regs)
     return tuple(regs[o] for o in _OUTPUTS)
 
 
@@ -213,6 +163,31 @@ def _asm(ptx: str, args, n_out: int, *, convergent: bool = False):
     extra = {"convergent": True} if convergent and hasattr(llvm.InlineAsmOp, "convergent") else {}
     res = llvm.inline_asm(ret, list(args), ptx, constraints, has_side_effects=False, **extra)
     return [llvm.extractvalue(i32, res, [i]) for i in range(n_out)]
+
+
+def code_table_spec(plgpu, index_map):
+    """BlockSpec of the code table, once per pipeline step (the warp-specialized pipeline takes
+    only grid-dependent blocks) and padded to 32 floats: a 64-byte TMA destination slot left the
+    next stage's slot misaligned (CUDA_ERROR_MISALIGNED_ADDRESS, H100, session 14)."""
+    return plgpu.BlockSpec((1, 32), index_map)
+
+
+def code_rows(code, steps: int):
+    """The (16,) code table padded to 32 floats, one row per pipeline step of the kernel."""
+    return jnp.broadcast_to(jnp.pad(jnp.asarray(code, jnp.float32), (0, 16)), (steps, 32))
+
+
+def warp_specialized(plgpu, pl, *, grid, in_specs, num_compute_wgs: int, depth: int):
+    """`pipeline(body, ctx)` over `grid` with a TMA memory warpgroup feeding `num_compute_wgs`
+    compute warpgroups, and `allocate(*gmem_refs)` for the scoped buffers it needs."""
+    def pipeline(body, ctx):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=grid, memory_registers=40, in_specs=in_specs, wg_axis="wg",
+            num_compute_wgs=num_compute_wgs, max_concurrent_steps=depth, compute_context=ctx)
+
+    ignore = lambda *_, **__: None
+    allocate = lambda *refs: pipeline(ignore, ignore).get_allocations(*refs)
+    return pipeline, allocate
 
 
 def _load(plgpu, ref, index, layout):
@@ -452,33 +427,18 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
         per = blocksize // tile_k
         scale_spec = plgpu.BlockSpec((1, cta_n), lambda kk: (kk // per, 0))
 
+    pipeline, allocate = warp_specialized(
+        plgpu, pl, grid=(k_iters,), num_compute_wgs=2, depth=cfg.max_concurrent_steps,
+        in_specs=[
+            plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=w_transforms),
+            plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
+            scale_spec,
+            code_table_spec(plgpu, lambda kk: (kk, 0)),
+        ])
+
     def kernel(x_gmem, w_gmem, s_gmem, code_gmem, out_gmem, out_smem):
-        def pipeline(body, ctx):
-            return plgpu.emit_pipeline_warp_specialized(
-                body,
-                grid=(k_iters,),
-                memory_registers=40,
-                in_specs=[
-                    plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=w_transforms),
-                    plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
-                    scale_spec,
-                    # the code table once per step (the pipeline takes only grid-dependent
-                    # blocks), padded to 128 bytes: a TMA destination slot of 64 bytes left
-                    # the next stage's slot misaligned (CUDA_ERROR_MISALIGNED_ADDRESS, H100)
-                    plgpu.BlockSpec((1, 32), lambda kk: (kk, 0)),
-                ],
-                wg_axis="wg",
-                num_compute_wgs=2,
-                max_concurrent_steps=cfg.max_concurrent_steps,
-                compute_context=ctx,
-            )
-
-        ignore = lambda *_, **__: None
-
-        @functools.partial(
-            pl.run_scoped,
-            allocs=pipeline(ignore, ignore).get_allocations(w_gmem, x_gmem, s_gmem, code_gmem),
-            collective_axes="wg")
+        @functools.partial(pl.run_scoped, allocs=allocate(w_gmem, x_gmem, s_gmem, code_gmem),
+                           collective_axes="wg")
         def _scope(allocs):
             wg = lax.axis_index("wg")
 
@@ -550,8 +510,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                                 transforms=out_transforms),
         ),
     )
-    code_rows = jnp.broadcast_to(jnp.pad(code, (0, 16)), (k // tile_k, 32))
-    return f(x, w4, scales_t, code_rows)
+    return f(x, w4, scales_t, code_rows(code, k // tile_k))
 
 
 def supports(m, n, k, blocksize):

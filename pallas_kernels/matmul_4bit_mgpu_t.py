@@ -29,7 +29,7 @@ from jax import lax
 from pallas_kernels.dequantize_4bit import check_4bit_operands, supports_4bit
 from pallas_kernels.matmul_4bit import check_x
 from pallas_kernels.matmul_4bit_mgpu import (
-    _SMS, _decode_fn, _load, _mosaic, available)
+    _SMS, _decode_fn, _load, _mosaic, available, code_rows, code_table_spec, warp_specialized)
 from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
 from pallas_kernels.registry import Variant
 
@@ -129,30 +129,18 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
     )(_decode_fn(dtype, 1, tile_n, blocksize))
     n_codes = n // tile_n
 
+    pipeline, allocate = warp_specialized(
+        plgpu, pl, grid=(n_iters,), num_compute_wgs=1, depth=cfg.max_concurrent_steps,
+        in_specs=[
+            plgpu.BlockSpec((tile_m, tile_n), lambda i: (0, i), transforms=dy_transforms),
+            plgpu.BlockSpec((tile_n, 64), lambda i: (i, 0), transforms=w_transforms),
+            plgpu.BlockSpec((1, tile_n), lambda i: (0, i)),
+            code_table_spec(plgpu, lambda i: (i, 0)),
+        ])
+
     def kernel(dy_gmem, w_gmem, s_gmem, code_gmem, out_gmem, wd_smem, out_smem):
-        def pipeline(body, ctx):
-            return plgpu.emit_pipeline_warp_specialized(
-                body,
-                grid=(n_iters,),
-                memory_registers=40,
-                in_specs=[
-                    plgpu.BlockSpec((tile_m, tile_n), lambda i: (0, i), transforms=dy_transforms),
-                    plgpu.BlockSpec((tile_n, 64), lambda i: (i, 0), transforms=w_transforms),
-                    plgpu.BlockSpec((1, tile_n), lambda i: (0, i)),
-                    plgpu.BlockSpec((1, 32), lambda i: (i, 0)),  # 128-byte slots, as forward
-                ],
-                wg_axis="wg",
-                num_compute_wgs=1,
-                max_concurrent_steps=cfg.max_concurrent_steps,
-                compute_context=ctx,
-            )
-
-        ignore = lambda *_, **__: None
-
-        @functools.partial(
-            pl.run_scoped,
-            allocs=pipeline(ignore, ignore).get_allocations(dy_gmem, w_gmem, s_gmem, code_gmem),
-            collective_axes="wg")
+        @functools.partial(pl.run_scoped, allocs=allocate(dy_gmem, w_gmem, s_gmem, code_gmem),
+                           collective_axes="wg")
         def _scope(allocs):
             @plgpu.nd_loop((m_iters * k_iters * cfg.n_splits,), collective_axes="sm")
             def _tiles(info):
@@ -206,8 +194,7 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
             out_smem=plgpu.SMEM((tile_m, 64), out_dtype, transforms=out_transforms),
         ),
     )
-    code_rows = jnp.broadcast_to(jnp.pad(code, (0, 16)), (n_codes, 32))
-    return f(dy, w4, scales_t, code_rows)
+    return f(dy, w4, scales_t, code_rows(code, n_codes))
 
 
 VARIANTS = (

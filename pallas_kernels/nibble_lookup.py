@@ -120,16 +120,13 @@ def _lop3(a, b, c, lut):
     return out
 
 
-def emulate_words(r, words, half: str):
-    """Run `_PROGRAMS[half]` on uint32 words r of packed weights with table `words` (8,) uint32:
-    returns its two output words (16-bit pairs of elements 0, 1 and 2, 3), shaped like r."""
-    regs = {"r": jnp.asarray(r, jnp.uint32)}
-    regs.update({name: words[i] for i, name in enumerate(WORD_NAMES)})
-
+def run_program(program, regs: dict) -> dict:
+    """Execute an instruction program (tuples (op, dst, *src) of and/or/shr/shl/prmt/lop3 on
+    uint32 arrays) on `regs` (name -> array, updated and returned); the jnp twin of its PTX."""
     def val(v):
         return regs[v] if isinstance(v, str) else jnp.uint32(v)
 
-    for op, dst, *src in _PROGRAMS[half]:
+    for op, dst, *src in program:
         a = val(src[0])
         if op == "and":
             regs[dst] = a & val(src[1])
@@ -143,8 +140,17 @@ def emulate_words(r, words, half: str):
             regs[dst] = _prmt(a, val(src[1]), val(src[2]))
         elif op == "lop3":
             regs[dst] = _lop3(a, val(src[1]), val(src[2]), src[3])
-        else:  # pragma: no cover - the program is fixed above
-            raise AssertionError(op)
+        else:
+            raise ValueError(f"run_program: unknown instruction {op!r}")
+    return regs
+
+
+def emulate_words(r, words, half: str):
+    """Run `_PROGRAMS[half]` on uint32 words r of packed weights with table `words` (8,) uint32:
+    returns its two output words (16-bit pairs of elements 0, 1 and 2, 3), shaped like r."""
+    regs = {"r": jnp.asarray(r, jnp.uint32)}
+    regs.update({name: words[i] for i, name in enumerate(WORD_NAMES)})
+    regs = run_program(_PROGRAMS[half], regs)
     return tuple(regs[o] for o in _OUTPUTS[half])
 
 
@@ -168,21 +174,17 @@ def emulate_lookup(p, words, dtype, half: str):
 
 
 # ----------------------------------------------------------------------------- PTX
-def _ptx(half: str) -> str:
-    """One half's program as PTX for elementwise_inline_asm with pack = 4: $0, $1 the output
-    (16-bit pairs of elements 0, 1 and 2, 3), $2 the packed word, then the 8 table words, each
-    passed 4 times (a 32-bit argument fills one register per packed element; the first copy is
-    used)."""
-    program = _PROGRAMS[half]
-    operand = {"r": "$2"}
-    operand.update({name: f"${3 + 4 * i}" for i, name in enumerate(WORD_NAMES)})
+def program_ptx(program, operands: dict[str, str], outputs, prefix: str = "jq_") -> str:
+    """PTX text of an instruction program: names in `operands` are bound to asm operands ($i),
+    every other register is a local `{prefix}name`; the outputs are moved to $0, $1, ... last
+    (an output without early clobber may share an input's register)."""
     temps = sorted({dst for _, dst, *_ in program})
-    local = {t: f"jq_{t}" for t in temps}
+    local = {t: f"{prefix}{t}" for t in temps}
 
     def reg(v):
         if isinstance(v, int):
             return f"{v:#x}"
-        return operand.get(v) or local[v]
+        return operands.get(v) or local[v]
 
     lines = ["{", f".reg .b32 {', '.join(local.values())};"]
     for op, dst, *src in program:
@@ -193,10 +195,19 @@ def _ptx(half: str) -> str:
             lines.append(f"{op}.b32 {reg(dst)}, {reg(src[0])}, {src[1]};")
         else:
             lines.append(f"{op}.b32 {reg(dst)}, {', '.join(reg(s) for s in src)};")
-    # results are written last: an output without early clobber may share an input's register
-    lines += [f"mov.b32 ${i}, {local[name]};" for i, name in enumerate(_OUTPUTS[half])]
+    lines += [f"mov.b32 ${i}, {local[name]};" for i, name in enumerate(outputs)]
     lines.append("}")
     return "\n".join(lines)
+
+
+def _ptx(half: str) -> str:
+    """One half's program as PTX for elementwise_inline_asm with pack = 4: $0, $1 the output
+    (16-bit pairs of elements 0, 1 and 2, 3), $2 the packed word, then the 8 table words, each
+    passed 4 times (a 32-bit argument fills one register per packed element; the first copy is
+    used)."""
+    operand = {"r": "$2"}
+    operand.update({name: f"${3 + 4 * i}" for i, name in enumerate(WORD_NAMES)})
+    return program_ptx(_PROGRAMS[half], operand, _OUTPUTS[half])
 
 
 N_OPERANDS = 2 + 1 + 4 * len(WORD_NAMES)  # per call: output pairs, packed word, table copies
