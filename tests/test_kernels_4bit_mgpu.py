@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from jqlora import ops, quant
 from jqlora.quant import tables
 from pallas_kernels import matmul_4bit_mgpu as mm
+from pallas_kernels import matmul_4bit_mgpu_t as mt
 from pallas_kernels.matmul_4bit import matmul_4bit_reference
+from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
 from pallas_kernels.nibble_lookup import _lop3, _prmt
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -249,6 +251,19 @@ def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     assert "mosaic_gpu" in text
 
 
+def test_mosaic_module_fingerprints():
+    """benchmarks/ttir_fingerprint covers the Mosaic kernels: one module per call, stable across
+    lowerings, different for another config (how a refactor is shown not to change them)."""
+    from benchmarks.ttir_fingerprint import fingerprints, fingerprints_t
+
+    one = fingerprints(mm.matmul_4bit_mgpu, 128, dict(config=mm.Config(tile_m=128)))
+    assert len(one) == 2 and one[0] == one[1]  # scales de-nested by XLA / fp32: same kernel
+    assert fingerprints(mm.matmul_4bit_mgpu, 128, dict(config=mm.Config(tile_m=128))) == one
+    other = fingerprints(mm.matmul_4bit_mgpu, 128, dict(config=mm.Config(tile_m=64)))
+    assert set(other).isdisjoint(one)
+    assert len(fingerprints_t(mt.matmul_4bit_mgpu_t, 128, {})) == 1
+
+
 def test_auto_picks_the_mosaic_kernel_on_hopper(monkeypatch):
     from jqlora.ops import backends
 
@@ -337,10 +352,6 @@ def test_qmatmul_auto_runs_them_forward_and_backward():
 
 
 # ----------------------------------------------------------------------------- backward kernel
-from pallas_kernels import matmul_4bit_mgpu_t as mt  # noqa: E402
-from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference  # noqa: E402
-
-
 @given(m=st.integers(1, 4096), n64=st.integers(1, 300), k64=st.integers(1, 300))
 def test_backward_default_config_is_valid(m, n64, k64):
     n, k = 64 * n64, 64 * k64
