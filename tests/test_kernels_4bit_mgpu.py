@@ -287,6 +287,11 @@ def test_auto_picks_the_mosaic_kernel_on_hopper(monkeypatch):
     assert backends.choose_plan(q100, 16, "auto", dtype="bfloat16").fwd == "block_scaled_dot_prmt"
     monkeypatch.setattr(backends, "mgpu_available", lambda: False)
     assert plan(128) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")
+    with pytest.raises(backends.BackendError, match="Hopper GPU only"):
+        backends.choose_plan(q, 128, "pallas", variant="mgpu_decoded_wgmma", dtype="bfloat16")
+    with pytest.raises(backends.BackendError, match="Hopper GPU only"):
+        ops.qmatmul(jnp.ones((4, 512), jnp.bfloat16), q, backend="interpret",
+                    variant="mgpu_decoded_wgmma")
 
 
 # ----------------------------------------------------------------------------- on a Hopper GPU

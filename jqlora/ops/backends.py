@@ -192,6 +192,10 @@ def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics
     if variant is not None:
         fwd = variant
     _check_variant(fwd, q, m)
+    if fwd in (DEFAULT_4BIT_FWD_MGPU, DEFAULT_4BIT_BWD_MGPU) and (
+            backend == "interpret" or not mgpu_available()):
+        raise BackendError(f"kernel variant {fwd!r} runs on a Hopper GPU only (Mosaic GPU, "
+                           "inline PTX; no interpret mode)")
     return Plan(backend, fwd, bwd)
 
 
