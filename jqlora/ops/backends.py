@@ -40,11 +40,14 @@ BLOCK_DOT_MAX_M_4BIT = 32
 DECODED_DOT_MAX_M_4BIT = 64
 # 4-bit on a Hopper GPU with 16-bit activations, GEMV_MAX_M_4BIT < M <= this: the Mosaic GPU
 # kernel (mgpu_decoded_wgmma: warp-specialized TMA pipeline, weight decoded in registers as the
-# wgmma operand). H100, session 14 (results/..._s14_mgpu_*; ratios to bf16 at 4096x4096 /
-# 4096x14336 / 14336x4096, same runs): M = 16 0.86 / 0.81 / 0.66 against block_scaled_dot_prmt's
-# 0.95 / 0.84 / 0.97; M = 64 0.83 / 0.86 / 0.73 against decoded_dot_prmt's 1.02 / 1.08 / 1.11;
-# M = 128 1.00 / 0.93 / 0.86 against dequant_dot's 1.71 / 2.45 / 2.17; M = 1024 (4096x4096)
-# 1.21 against 1.34. At M = 2048 dequant_dot is ahead (1.21-1.24 against 1.23-1.28).
+# wgmma operand). H100, session 14, s14-8 and s14-9 (results/..._s14_mgpu_defaults_*.json;
+# ratios to bf16 at 4096x4096 / 4096x14336 / 14336x4096, old and new `auto` in one process):
+# M = 16 0.88 / 0.68 / 0.66 against block_scaled_dot_prmt's 0.96 / 0.85 / 0.96; M = 64 0.80 /
+# 0.74 / 0.67 against decoded_dot_prmt's 1.01 / 1.07 / 1.12; M = 128 0.98 / 0.94 / 0.79 against
+# dequant_dot's 1.74 / 2.44 / 2.14; M = 1024 1.27 / 1.45 / 1.25 against 1.36 / 1.38 / 1.38 (one
+# shape lost); M = 4 1.03 / 0.74 / 0.72 against 0.99 / 0.80 / 0.90. At M = 2048 dequant_dot is
+# ahead (1.21 / 1.21 / 1.20 against the kernel's 1.28 / 1.31 / 1.25); at M <= 2 the GEMV
+# (0.71 / 0.63 / 0.62 against 1.03 / 0.79 / 0.73).
 MGPU_MAX_M_4BIT = 1024
 # 4-bit backward (dx = dy @ W) on Hopper with 16-bit dy, M <= this: the Mosaic GPU backward
 # kernel (mgpu_decoded_wgmma_t: weight tiles decoded to shared memory, dy . W by wgmma). H100,
