@@ -1,35 +1,43 @@
 """4-bit matmul on Hopper through Pallas' Mosaic GPU lowering: y = x @ dequant(W).T with the
 weight decoded in registers and fed to warpgroup MMAs (wgmma) as their register operand.
 
-Why another kernel: at M >= 128 `qmatmul` runs a dequant pass + cuBLAS (`dequant_dot`), which
-costs 1 + dequant / GEMM (1.78-2.50x bf16 at M = 128, 1.10-1.14x at M = 2048), and the Triton
-lowering's fused kernel never overlapped its decode with the MMA (session 9). Mosaic GPU gives
-the Hopper structure: a memory warpgroup streams tiles with TMA while two compute warpgroups
-each decode their weight tile and issue wgmma, so one warpgroup's decode runs under the other's
-MMA.
+Why another kernel: at M >= 128 `qmatmul` ran a dequant pass + cuBLAS (`dequant_dot`), which
+costs 1 + dequant / GEMM (1.7-2.4x bf16 at M = 128), and the Triton lowering's fused kernel
+never overlapped its decode with the MMA (session 9). Mosaic GPU gives the Hopper structure: a
+memory warpgroup streams tiles with TMA while two compute warpgroups each decode their weight
+tile and issue wgmma, so one warpgroup's decode can run under the other's MMA.
 
 The product is computed transposed, y.T (N, M) = W (N, K) . x.T, because only the left wgmma
-operand may come from registers. Per compute warpgroup and K step (64 columns, one scale block
-at blocksize 64):
+operand may come from registers. Per compute warpgroup and K step (64 or 128 columns):
 
-1. the packed tile (64 rows x 64 codes) is loaded from shared memory as int4 in
-   `WGMMA_LAYOUT_UPCAST_4X` and shuffled into the WGMMA register layout (two warp shuffles and
-   two byte permutes per 8 codes: Mosaic's own relayout, stopped before it splits the words);
-2. each thread builds, for each of its two weight rows, a 16-entry table of round(code *
-   absmax) in x's dtype (fp32 products, one rounding: bitsandbytes' dequantized weight bit for
-   bit), as byte planes in 8 registers;
-3. each 32-bit word of 8 codes becomes four 16-bit pairs by byte permutes (`_LOOKUP_PTX`: 22
-   instructions per word, no memory access), the wgmma's A fragment.
+1. the packed tile (64 rows) is loaded from shared memory as int4 in `WGMMA_LAYOUT_UPCAST_4X`
+   and shuffled toward the WGMMA register layout (two warp shuffles and two byte permutes per 8
+   codes: Mosaic's own relayout, stopped before it splits each 32-bit word);
+2. for each of a thread's two weight rows and each scale block, a 16-entry table of
+   round(code * absmax) in x's dtype (fp32 products, one rounding: bitsandbytes' dequantized
+   weight bit for bit) as byte planes in 8 registers; the 4 lanes of a quad (same rows) each
+   make 4 entries and gather the rest by quad shuffles (`_table_ptx`, 16 instructions);
+3. each word of 8 codes becomes the four 16-bit pairs of the A fragment by byte permutes
+   (`_LOOKUP_PROGRAM`, 22 instructions, no memory access).
 
-The weight reaches the kernel as int4 (`packed.view(int4)`, no copy): Mosaic then keeps each
-packed byte whole through its relayout, and the lookup reads the high nibble as the even column
-(bitsandbytes' order). Double-quantized scales are de-nested by XLA first ((K / blocksize, N)
-float32, about 1/16 of the packed bytes). With several K splits the fp32 partials (splits, N, M)
-are summed by XLA; the transpose back to (M, N) is XLA's too.
+The (rows, tokens) tile of y.T is stored transposed through shared memory, so y comes out in
+its own layout (one K split, jax >= 0.11); K splits (and jax 0.10, whose layout inference
+rejects that store) write fp32 / 16-bit tiles of y.T that XLA sums and transposes. The weight
+reaches the kernel as an int4 view of the packed bytes (an XLA bitcast, `s4[...]{E(4)}`):
+Mosaic keeps each byte whole through its relayout, and the lookup reads the high nibble as the
+even column (bitsandbytes' order). Double-quantized scales are de-nested by XLA first
+((K / blocksize, N) float32, 1/16 of the packed bytes at blocksize 64).
 
-Hopper only (sm_90); needs jax >= 0.11 (Mosaic GPU's `inline_mgpu`). No interpret mode: the
-decode's instruction program is checked on CPU by `emulate_lookup_words` against the table
-lookup, and the kernel by the compiled GPU suite against `matmul_4bit_reference`.
+Measured (H100, session 14; benchmarks/results README): 0.66-0.88x bf16 at M = 16, 0.67-0.80
+at M = 64, 0.79-0.98 at M = 128 (dequant_dot: 1.74-2.44), 1.25-1.45 at M = 1024; at M = 2048
+1.25-1.31 against dequant_dot's 1.20-1.21, so `auto` stops at 1024. Each warpgroup waits for
+its MMA before decoding the next tile: waiting for the previous step's only (`wgmma_wait(1)`,
+slots released a step late) gave NaN, the A registers being reused under the running MMA.
+
+Hopper only (sm_90), no interpret mode. CPU checks: the two PTX programs run in a PTX
+interpreter in the tests (`tests/test_kernels_4bit_mgpu.py`), `emulate_lookup_words` /
+`emulate_table_words` are their jnp twins, and the kernel lowers for CUDA on CPU (jax 0.10 and
+0.11); the compiled suite checks it on the GPU, bit for bit through an identity product.
 """
 from __future__ import annotations
 
