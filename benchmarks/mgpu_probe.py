@@ -15,7 +15,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks.sweep_setup import bf16_us, nf4_weight_copies, record_row, write_rows
 from benchmarks.timing import distinct_copies, us_per_product
@@ -218,7 +217,6 @@ def main():
             time_configs(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"))
     finally:
         write_rows(out, f"mgpu_probe_{a.part}.json")
-    np.set_printoptions(linewidth=200)
 
 
 if __name__ == "__main__":

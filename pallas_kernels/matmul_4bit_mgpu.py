@@ -215,7 +215,6 @@ def _decode_fn(dtype, kb: int, rows: int, blocksize: int):
     def decode(ctx, w, scale_ref, code_ref):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        f32 = ir.F32Type.get()
         idx = ir.IndexType.get()
         c32 = lambda v: arith.constant(i32, v)
         w = w.to_layout(fa.WGMMA_LAYOUT_UPCAST_2X)
@@ -399,7 +398,7 @@ def available() -> bool:
 
 
 def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
-    mgpu, pl, plgpu, ir, arith, memref, fa, mu = _mosaic()
+    _, pl, plgpu, *_ = _mosaic()
     m, k = x.shape
     n = w4.shape[0]
     dtype = x.dtype
@@ -469,23 +468,22 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                         run(acc)
                         res = acc[...].astype(out_dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        dst = out_gmem if store_t else out_gmem.at[split]
-                        if not store_t:
-                            dst = dst.at[n_sl, m_sl].at[wg_rows]
-                        else:
-                            dst = dst.at[m_sl, n_sl].at[:, wg_rows]
+                        if store_t:  # y itself: this warpgroup's rows are y's columns
+                            dst = out_gmem.at[m_sl, n_sl].at[:, wg_rows]
+                        else:  # fp32 partials of y.T, one slab per K split
+                            dst = out_gmem.at[split].at[n_sl, m_sl].at[wg_rows]
                         for e in range(tile_m // epi_m):
                             e_sl = slice(e * epi_m, (e + 1) * epi_m)
                             slot = out_smem.at[wg, e % 2]
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            if not store_t:
-                                slot[...] = res[:, e_sl]
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(slot, dst.at[:, e_sl])
-                            else:  # the (rows, epi_m) tile of y.T stored as y's (epi_m, rows)
+                            if store_t:  # the (rows, epi_m) tile of y.T as y's (epi_m, rows)
                                 slot.T[...] = res[:, e_sl]
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(slot, dst.at[e_sl])
+                            else:
+                                slot[...] = res[:, e_sl]
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(slot, dst.at[:, e_sl])
 
                 def body(_, w_smem, x_smem, s_smem, code_smem, acc):
                     w = _load(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
@@ -502,7 +500,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                     code_gmem.at[pl.ds(split * k_iters, k_iters)], allocations=allocs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    num_sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
+    num_sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else _SMS
     out_shape = (m, n) if store_t else (cfg.k_splits, n, m)
     f = plgpu.kernel(
         kernel,

@@ -29,7 +29,7 @@ from jax import lax
 from pallas_kernels.dequantize_4bit import check_4bit_operands, supports_4bit
 from pallas_kernels.matmul_4bit import check_x
 from pallas_kernels.matmul_4bit_mgpu import (
-    _SMS, _decode_fn, _load, _mosaic, available, code_rows, code_table_spec, warp_specialized)
+    _SMS, _decode_fn, _load, _mosaic, code_rows, code_table_spec, warp_specialized)
 from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
 from pallas_kernels.registry import Variant
 
@@ -105,7 +105,7 @@ def matmul_4bit_mgpu_t(dy, packed, absmax, code, *, blocksize: int, out_dtype=No
 
 
 def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
-    mgpu, pl, plgpu, ir, arith, memref, fa, mu = _mosaic()
+    _, pl, plgpu, *_ = _mosaic()
     m, n = dy.shape
     k = w4.shape[1]
     dtype = dy.dtype
@@ -205,5 +205,3 @@ VARIANTS = (
                     "(per-row byte-plane tables), stored to shared memory, dx tile += dy . W by "
                     "wgmma"),
 )
-
-__all__ = ["ConfigT", "available", "default_config_t", "matmul_4bit_mgpu_t", "supports_t"]
