@@ -8,7 +8,9 @@ NF4, nested in-kernel): `... profile_small_m gemv 1 4096 14336 block_n=32 block_
 block_dot (the block-scaled tensor-core kernel, rounded codes, the same way; `exact_codes=1` for
 the exact table, `lookup=prmt` for the in-register lookup): `... profile_small_m block_dot 16
 4096 14336`, and decoded_dot (the decoded-weight tensor-core kernel, any M, its keyword
-arguments likewise): `... profile_small_m decoded_dot 2048 4096 4096 block_m=256`.
+arguments likewise): `... profile_small_m decoded_dot 2048 4096 4096 block_m=256`, and mgpu /
+mgpu_t (the Hopper Mosaic GPU kernels, forward and dx; Config / ConfigT fields as keywords):
+`ncu -k regex:matmul_4bit_mgpu_kernel ... profile_small_m mgpu 16 4096 14336 tile_m=16`.
 
 Without preallocation off, ncu cannot save and restore device memory for kernel replay.
 """
@@ -51,12 +53,23 @@ def main(argv=None):
             kernel = matmul_4bit_block_dot
             cfg["exact_codes"] = bool(cfg.get("exact_codes", 0))
         f = jax.jit(lambda x: kernel(x, packed, codes, q.code, blocksize=64, nested=nested, **cfg))
+    elif mode in ("mgpu", "mgpu_t"):
+        from benchmarks.mgpu_probe import _config, _config_t, _mgpu, _mgpu_t
+
+        w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
+        q = quant.quantize_4bit(w, "nf4", 64, True)
+        text = ",".join(f"{key}={v}" for key, v in cfg.items()) or "default"
+        if mode == "mgpu":
+            f = jax.jit(lambda x: _mgpu(x, q, _config(text)))
+        else:  # dx = dy @ W: dy is (M, N)
+            x = jax.device_put(rng.standard_normal((m, n), np.float32).astype(jnp.bfloat16))
+            f = jax.jit(lambda dy: _mgpu_t(dy, q, _config_t(text)))
     elif mode == "dense":
         w = jax.device_put((rng.standard_normal((n, k), np.float32) * 0.02).astype(jnp.bfloat16))
         f = jax.jit(lambda x: jnp.dot(x, w.T))
     else:
-        raise SystemExit(f"mode must be 'q' (NF4), 'int8', 'gemv', 'block_dot' or 'dense', "
-                         f"got {mode!r}")
+        raise SystemExit(f"mode must be 'q' (NF4), 'int8', 'gemv', 'block_dot', 'decoded_dot', "
+                         f"'mgpu', 'mgpu_t' or 'dense', got {mode!r}")
     for _ in range(5):
         jax.block_until_ready(f(x))
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Nsight Compute of the Hopper Mosaic GPU kernels (one device call, ~5 min): for each case the
+# details page, the per-opcode SASS mix (benchmarks/ncu_sass_mix.py) and the kernel list.
+#   bash benchmarks/ncu_session.sh                     # the cases below
+#   bash benchmarks/ncu_session.sh "mgpu 16 4096 14336" ...   # profile_small_m argument lists
+# Results land in $OUT (ncu_<case>_details.txt, ncu_<case>_mix.txt).
+set -u
+OUT=${OUT:-/tmp/jqlora-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+NCU=${NCU:-ncu}
+if [ $# -eq 0 ]; then
+  set -- "mgpu 16 4096 14336" "mgpu 16 4096 4096" "mgpu 128 4096 14336" \
+         "mgpu 2048 4096 4096 tile_m=256" "mgpu_t 128 4096 14336"
+fi
+# which kernels one call launches (names for -k)
+$NCU --clock-control none --section LaunchStats python3 -m benchmarks.profile_small_m $1 2>&1 \
+  | grep -E '^  [A-Za-z_].*\(' | sed 's/(.*//' | sort | uniq -c > "$OUT/ncu_kernel_names.txt"
+for case in "$@"; do
+  set -- $case
+  mode=$1
+  tag=$(echo "$case" | tr ' =,' '_--')
+  regex=matmul_4bit_mgpu_kernel
+  [ "$mode" = mgpu_t ] && regex=matmul_4bit_mgpu_t_kernel
+  [ "$mode" = dense ] && regex=.
+  rep=/tmp/ncu_$tag
+  timeout 240 $NCU --clock-control none -k regex:$regex --launch-skip 2 --launch-count 1 \
+    --set full --import-source no -f -o "$rep" python3 -m benchmarks.profile_small_m $case \
+    > "$OUT/ncu_${tag}_run.log" 2>&1
+  $NCU -i "$rep.ncu-rep" --page details > "$OUT/ncu_${tag}_details.txt" 2>&1
+  $NCU -i "$rep.ncu-rep" --page source --csv --print-source sass > /tmp/sass_$tag.csv 2>&1
+  weights=$(( $3 * $4 ))
+  python3 -m benchmarks.ncu_sass_mix /tmp/sass_$tag.csv $weights > "$OUT/ncu_${tag}_mix.txt" 2>&1
+  echo "== $case"; grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|Compute \(SM\) Throughput|Theoretical Occupancy" "$OUT/ncu_${tag}_details.txt" | head -12
+  head -8 "$OUT/ncu_${tag}_mix.txt"
+done
