@@ -11,6 +11,7 @@ and distinct x per product (benchmarks/timing.py). Rows go to $OUT/mgpu_probe_<p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -27,12 +28,20 @@ SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 CONFIGS = ("default", "tile_m=128,k_splits=4", "tile_m=256")
 
 
-def _config(text: str) -> mm.Config | None:
-    """"tile_m=128,k_splits=2" -> Config; "default" -> None (the kernel's default_config)."""
+def _config(text: str, shape=None) -> mm.Config | None:
+    """"tile_m=128,k_splits=2" -> Config; "default" -> None (the kernel's default_config);
+    "default,k_wgs=2" -> the default config of shape (m, n, k) with those fields replaced
+    (pipeline depth lowered until it fits shared memory)."""
     if text == "default":
         return None
-    items = (kv.split("=") for kv in text.split(",") if kv)
-    return mm.Config(**{k: int(v) for k, v in items})
+    items = [kv.split("=") for kv in text.split(",") if kv and kv != "default"]
+    fields = {k: int(v) for k, v in items}
+    if not text.startswith("default"):
+        return mm.Config(**fields)
+    cfg = dataclasses.replace(mm.default_config(*shape, 64), **fields)
+    while cfg.max_concurrent_steps > 2 and mm.smem_bytes(cfg, 64) > mm._SMEM_LIMIT:
+        cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+    return cfg
 
 
 def previous_default(m: int) -> str:
@@ -77,7 +86,12 @@ def check(out: list) -> None:
             (64, 512, 256, 64, "fp4", jnp.float16, "tile_m=64,wg_rows=128"),
             (256, 1024, 512, 128, "nf4", jnp.bfloat16,
              "tile_m=256,tile_k=128,max_concurrent_steps=2"),
-            (128, 1024, 256, 256, "nf4", jnp.float16, "tile_m=128")):
+            (128, 1024, 256, 256, "nf4", jnp.float16, "tile_m=128"),
+            (16, 1024, 256, 64, "nf4", jnp.bfloat16, "tile_m=16,tile_k=128,k_wgs=2"),
+            (100, 2048, 512, 64, "nf4", jnp.bfloat16,
+             "tile_m=128,tile_k=128,k_splits=2,k_wgs=2,max_concurrent_steps=3"),
+            (40, 1024, 256, 128, "fp4", jnp.float16, "tile_m=64,tile_k=256,k_wgs=2,"
+             "max_concurrent_steps=3")):
         kx, kw = jax.random.split(jax.random.key(m + k + n))
         w = jax.random.normal(kw, (n, k), jnp.float32) * 0.05
         q = quant.quantize_4bit(w, qt, bs, True)
@@ -189,7 +203,7 @@ def time_configs(out: list, ms, shapes, configs) -> None:
                 lambda xs, qs: [ops.qmatmul(a, q, backend="pallas", variant=prev)
                                 for a, q in zip(xs, qs)], (xs, qs), copies)
             for text in configs:
-                cfg = _config(text)
+                cfg = _config(text, (m, n, k))
                 res[f"mgpu {text}"] = us_per_product(
                     lambda xs, qs, cfg=cfg: [_mgpu(a, q, cfg) for a, q in zip(xs, qs)],
                     (xs, qs), copies)

@@ -19,7 +19,7 @@ $NCU --clock-control none --section LaunchStats python3 -m benchmarks.profile_sm
 for case in "$@"; do
   set -- $case
   mode=$1
-  tag=$(echo "$case" | tr ' =,' '_--')
+  tag=$(echo "$case" | tr ' =,' '_-_')
   regex=matmul_4bit_mgpu_kernel
   [ "$mode" = mgpu_t ] && regex=matmul_4bit_mgpu_t_kernel
   [ "$mode" = dense ] && regex=.

@@ -60,13 +60,17 @@ def _shape_problem(m, n, k, blocksize, cfg: ConfigT) -> str | None:
 
 def default_config_t(m: int, n: int, k: int, blocksize: int) -> ConfigT:
     """dy rows per CTA: 64 or 128 (the smallest holding M up to 128), else 128; N splits until
-    (M tiles x K / 64 column blocks x splits) is about one wave of CTAs, two per SM."""
+    (M tiles x K / 64 column blocks x splits) is about one wave of CTAs, two per SM; 128 weight
+    rows per step where N is not split."""
     tile_m = 64 if m <= 64 else 128
     base = -(-m // tile_m) * (k // 64)
     splits = 1
     while base * splits * 2 <= 2 * _SMS and splits < 8 and n % (64 * splits * 2) == 0:
         splits *= 2
-    return ConfigT(tile_m=tile_m, tile_n=64, n_splits=splits)
+    # 128 weight rows per step where N is not split: at 14336x4096 (224 dx column blocks)
+    # 1.42 / 1.54x the dense product at M = 16 / 128 against 1.51 / 1.83 with 64 (H100, s14)
+    tile_n = 128 if splits == 1 and n % 128 == 0 else 64
+    return ConfigT(tile_m=tile_m, tile_n=tile_n, n_splits=splits)
 
 
 def supports_t(m, n, k, blocksize):

@@ -243,6 +243,10 @@ def _lower(m, n, k, bs, cfg, dtype=jnp.bfloat16, nested=True):
      jnp.float16, False),
     (256, 256, 512, 256, mm.Config(tile_m=256, tile_k=64), jnp.bfloat16, True),
     (64, 256, 512, 64, mm.Config(tile_m=64, wg_rows=128), jnp.bfloat16, True),
+    (16, 256, 1024, 64, mm.Config(tile_m=16, tile_k=128, k_splits=2, k_wgs=2), jnp.bfloat16,
+     True),
+    (128, 256, 512, 128, mm.Config(tile_m=128, tile_k=128, k_wgs=2, max_concurrent_steps=3), jnp.float16, False),
+    (32, 256, 1024, 64, mm.Config(tile_m=32, tile_k=256, k_wgs=2), jnp.bfloat16, True),
 ])
 def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     """Pallas -> Mosaic GPU on a machine without a GPU: the pipeline, the layouts Mosaic infers
@@ -363,6 +367,7 @@ def test_backward_default_config_is_valid(m, n64, k64):
     cfg = mt.default_config_t(m, n, k, 64)
     assert mt._shape_problem(m, n, k, 64, cfg) is None
     assert cfg.n_splits == 1 or -(-m // cfg.tile_m) * (k // 64) * cfg.n_splits <= 2 * mm._SMS
+    assert (cfg.tile_n == 128) == (cfg.n_splits == 1 and n % 128 == 0)
 
 
 @pytest.mark.parametrize("m,n,k,bs,cfg", [
