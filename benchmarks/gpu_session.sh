@@ -3,6 +3,9 @@
 #   bash benchmarks/gpu_session.sh tests   # compiled-kernel correctness suite (~3-4 min)
 #   bash benchmarks/gpu_session.sh bench   # benchmark tables + dequant + memory proof (~9 min;
 #                                          # TAG=_x names the result files <gpu>-<date>_x.*)
+#   bash benchmarks/gpu_session.sh bench-small  # the same protocol in two calls with torch and
+#   bash benchmarks/gpu_session.sh bench-large  # bitsandbytes: M = 1, 16, 128 (+ dequant, memory)
+#                                               # / M = 2048, 8192 (files <gpu>-<date>_small|_large.*)
 #   bash benchmarks/gpu_session.sh train [1b|8b]  # end-to-end QLoRA step, jqlora vs torch (~2 / ~8 min)
 # Carry `.whl` (bitsandbytes wheel, see shared/GPU.md). Results land in $OUT.
 set -u
@@ -21,6 +24,12 @@ case "${1:-tests}" in
     # variants at M = 1, 16, 2048 only and a matmul time budget: the whole run fits one 10-minute call
     timeout 570 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 270 \
       --tag "${TAG:-}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  M=" | tail -20 ;;
+  bench-small|bench-large)
+    # the protocol in two calls (each well under 10 minutes, torch and bitsandbytes included):
+    # M = 1, 16, 128 with dequant and the memory proof, then M = 2048, 8192 (no variant sweep)
+    if [ "$1" = bench-small ]; then args="--ms 1,16,128"; else args="--ms 2048,8192 --skip dequant,memory"; fi
+    timeout 570 python3 -m benchmarks.run --iterations 10 --variants none $args \
+      --tag "${TAG:-}_${1#bench-}" --out "$OUT" 2>&1 | tee "$OUT/bench_${1#bench-}.log" | grep -v "^  M=" | tail -20 ;;
   train)
     # end-to-end QLoRA step, both sides in this one call (protocol); `train 8b` for the 8B shape
     shape=${2:-1b}
