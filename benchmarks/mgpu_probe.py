@@ -88,6 +88,11 @@ def check(out: list) -> None:
              "tile_m=256,tile_k=128,max_concurrent_steps=2"),
             (128, 1024, 256, 256, "nf4", jnp.float16, "tile_m=128"),
             (64, 1024, 512, 64, "nf4", jnp.bfloat16, "tile_m=64,wg_rows=128,tile_k=256,"
+             "max_concurrent_steps=3"),
+            # four compute warpgroups (experimental; hung in s15-2 before the register hold):
+            # last, so that a hang leaves the rows above printed
+            (16, 1024, 256, 64, "nf4", jnp.bfloat16, "tile_m=16,tile_k=128,k_wgs=2"),
+            (40, 1024, 256, 128, "fp4", jnp.float16, "tile_m=64,tile_k=256,k_wgs=2,"
              "max_concurrent_steps=3")):
         kx, kw = jax.random.split(jax.random.key(m + k + n))
         w = jax.random.normal(kw, (n, k), jnp.float32) * 0.05

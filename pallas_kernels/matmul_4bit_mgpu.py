@@ -41,11 +41,9 @@ per SM (one CTA: the 168 registers a thread of 3 warpgroups gets), 2 of them dec
 scheduler: 0.54 instructions issued per scheduler cycle, DRAM at 37% of peak. M = 128: the same
 6.1 per weight, 30% of issue slots busy, DRAM 28%. Deeper pipelines (6, 8 steps), 256-column
 steps and 128-row warpgroups were no faster (s15). Four compute warpgroups (two per row group,
-each half of a step's columns) hung on the GPU (s15-2; not debugged further). The register
-arithmetic would explain it: jax's warp-specialized pipeline raises compute warpgroups to 112
-registers ((512 - 40) / 4), but 5 warpgroups launch with at most 96 a thread, and 40 * 128 +
-112 * 512 > 96 * 640, so `setmaxnreg.inc` cannot be granted; that form needs the compute count
-at 96 (or a hand-written pipeline).
+each half of a step's columns, `Config.k_wgs = 2`) hung on the GPU (s15-2; not debugged
+further). The register arithmetic would explain it (`compute_registers_held`), so that form
+now holds its compute warpgroups at 96 registers; it has not run on a GPU since.
 
 Hopper only (sm_90), no interpret mode. CPU checks: the two PTX programs run in a PTX
 interpreter in the tests (`tests/test_kernels_4bit_mgpu.py`), `emulate_lookup_words` /
@@ -54,6 +52,7 @@ interpreter in the tests (`tests/test_kernels_4bit_mgpu.py`), `emulate_lookup_wo
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -79,6 +78,13 @@ class Config:
     k_splits: int = 1  # K ranges computed by separate CTAs; partials summed by XLA
     max_concurrent_steps: int = 4  # pipeline depth of the memory warpgroup
     wg_rows: int = 64  # weight rows per compute warpgroup (64 or 128)
+    # compute warpgroups per row group, each taking tile_k / k_wgs columns of every step (1 or
+    # 2). 2 runs four compute warpgroups with 96 registers each, doubling the warps that hide
+    # the decode's latency (ncu, H100, session 15: 0.54 instructions issued per scheduler
+    # cycle with 2); their fp32 partials are summed by XLA like K splits. Experimental: it
+    # lowers and its register hold is checked on CPU, but it has not run on a GPU yet
+    # (`default_config` never picks it)
+    k_wgs: int = 1
 
 
 # --------------------------------------------------------------------------- the decode program
@@ -196,6 +202,32 @@ def code_table_spec(plgpu, index_map):
 def code_rows(code, steps: int):
     """The (16,) code table padded to 32 floats, one row per pipeline step of the kernel."""
     return jnp.broadcast_to(jnp.pad(jnp.asarray(code, jnp.float32), (0, 16)), (steps, 32))
+
+
+# Registers a thread of each of four compute warpgroups: what 5 warpgroups (640 threads) get at
+# launch, 65536 / 640 rounded down to a multiple of 8, so `setmaxnreg.inc` asks for nothing.
+_FOUR_WG_REGISTERS = 96
+
+
+@contextlib.contextmanager
+def compute_registers_held(count: int | None):
+    """While a kernel is traced, hold the register count that jax's warp-specialized pipeline
+    gives its compute warpgroups at `count` (None: jax's own). jax computes
+    (512 - memory registers) / compute warpgroups, which assumes the whole register file
+    is free: with four compute warpgroups that is 112, while 640 threads launch with 96 a
+    thread, and 40 * 128 + 112 * 512 > 96 * 640, so `setmaxnreg.inc` cannot be granted. Four
+    compute warpgroups hung on the H100 (s15-2); tile-ai/tilelang#2406 fixed the same
+    deadlock in its own warp specialization."""
+    if count is None:
+        yield
+        return
+    from jax._src.pallas.mosaic_gpu import pipeline as ws_pipeline
+    original = ws_pipeline._compute_registers
+    ws_pipeline._compute_registers = lambda memory_registers, num_compute_wgs: count
+    try:
+        yield
+    finally:
+        ws_pipeline._compute_registers = original
 
 
 def warp_specialized(plgpu, pl, *, grid, in_specs, num_compute_wgs: int, depth: int):
@@ -318,7 +350,13 @@ def _stores_transposed(cfg: Config) -> bool:
     """Whether the kernel writes y (M, N) itself: one K split (fp32 partials of several splits
     are stored as y.T, since the transposed store takes 16-bit tiles only) and jax >= 0.11
     (jax 0.10's layout inference rejects the transposed store; XLA then transposes y.T)."""
-    return cfg.k_splits == 1 and _jax_at_least(0, 11)
+    return _partials(cfg) == 1 and _jax_at_least(0, 11)
+
+
+def _partials(cfg: Config) -> int:
+    """fp32 partial products of y.T per output element: one per K split and per warpgroup
+    sharing a row group's K steps."""
+    return cfg.k_splits * cfg.k_wgs
 
 
 def _jax_at_least(major: int, minor: int) -> bool:
@@ -342,6 +380,13 @@ def _shape_problem(m, n, k, blocksize, cfg: Config) -> str | None:
         return f"K ({k}) must be a multiple of tile_k * k_splits ({cfg.tile_k * cfg.k_splits})"
     if cfg.tile_k % blocksize and blocksize % cfg.tile_k:
         return f"tile_k ({cfg.tile_k}) and blocksize ({blocksize}) must divide one another"
+    if cfg.k_wgs not in (1, 2):
+        return f"k_wgs must be 1 or 2, got {cfg.k_wgs}"
+    if cfg.k_wgs > 1 and (cfg.tile_k // cfg.k_wgs) % 64:
+        return f"tile_k ({cfg.tile_k}) must hold k_wgs ({cfg.k_wgs}) groups of 64 columns"
+    if cfg.k_wgs > 1 and (cfg.wg_rows != 64 or cfg.tile_m > 64):
+        return ("k_wgs = 2 takes wg_rows = 64 and tile_m <= 64 (four compute warpgroups "
+                f"have {_FOUR_WG_REGISTERS} registers each)")
     if (k // cfg.k_splits) % blocksize:
         return f"each K split ({k // cfg.k_splits} columns) must hold whole scale blocks"
     return None
@@ -390,9 +435,16 @@ def smem_bytes(cfg: Config, blocksize: int) -> int:
     cta_n = 2 * cfg.wg_rows
     scale_rows = max(1, cfg.tile_k // blocksize)
     tiles = (cta_n * cfg.tile_k // 2, cfg.tile_m * cfg.tile_k * 2, scale_rows * cta_n * 4, 32 * 4)
-    out_bytes = 4 if cfg.k_splits > 1 else 2
+    out_bytes = 4 if _partials(cfg) > 1 else 2
     return (sum(up(cfg.max_concurrent_steps * t) for t in tiles)
-            + up(4 * cfg.wg_rows * min(64, cfg.tile_m) * out_bytes))
+            + up(2 * cfg.k_wgs * _epilogue_slots(cfg) * cfg.wg_rows * min(64, cfg.tile_m)
+                 * out_bytes))
+
+
+def _epilogue_slots(cfg: Config) -> int:
+    """Output staging buffers per compute warpgroup: two, so one tile's store overlaps the
+    next's; one with four warpgroups, whose fp32 slots would otherwise take 128 KiB."""
+    return 2 if cfg.k_wgs == 1 else 1
 
 
 def available() -> bool:
@@ -417,20 +469,23 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
     dtype = x.dtype
     tile_m, tile_k, rows = cfg.tile_m, cfg.tile_k, cfg.wg_rows
     cta_n = 2 * rows
-    kb = tile_k // 64  # 64-column groups per step
+    wg_k = tile_k // cfg.k_wgs  # columns of a step one compute warpgroup decodes
+    kb = wg_k // 64  # 64-column groups per warpgroup and step
     k_per = k // cfg.k_splits
     k_iters = k_per // tile_k
     m_iters, n_iters = m // tile_m, n // cta_n
     # scale rows per step: one per 64-column group when blocksize = 64, else the one block
     scale_rows = max(1, tile_k // blocksize)
     acc_dtype = jnp.float32
-    out_dtype = jnp.float32 if cfg.k_splits > 1 else dtype
+    partials = _partials(cfg)
+    out_dtype = jnp.float32 if partials > 1 else dtype
 
-    x_swizzle = plgpu.find_swizzle(tile_k * 16, "rhs")
+    x_swizzle = plgpu.find_swizzle(wg_k * 16, "rhs")
     x_transforms = (plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle))
-    w_swizzle = plgpu.find_swizzle(tile_k * 4, "lhs")
+    w_swizzle = plgpu.find_swizzle(wg_k * 4, "lhs")
     w_transforms = (plgpu.TilingTransform((8, w_swizzle * 2)), plgpu.SwizzleTransform(w_swizzle))
     epi_m = min(64, tile_m)
+    slots = _epilogue_slots(cfg)
     out_bits = jnp.dtype(out_dtype).itemsize * 8
     store_t = _stores_transposed(cfg)
     out_swizzle = plgpu.find_swizzle((rows if store_t else epi_m) * out_bits, "out")
@@ -438,7 +493,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                       plgpu.SwizzleTransform(out_swizzle))
     decode = plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType(), plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct((rows, tile_k), dtype, layout=plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct((rows, wg_k), dtype, layout=plgpu.Layout.WGMMA),
     )(_decode_fn(dtype, kb, rows, blocksize))
 
     if blocksize <= tile_k:
@@ -448,7 +503,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
         scale_spec = plgpu.BlockSpec((1, cta_n), lambda kk: (kk // per, 0))
 
     pipeline, allocate = warp_specialized(
-        plgpu, pl, grid=(k_iters,), num_compute_wgs=2, depth=cfg.max_concurrent_steps,
+        plgpu, pl, grid=(k_iters,), num_compute_wgs=2 * cfg.k_wgs, depth=cfg.max_concurrent_steps,
         in_specs=[
             plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=w_transforms),
             plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
@@ -472,7 +527,11 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                 n_sl = pl.ds(ni * cta_n, cta_n)
                 k_sl = pl.ds(split * k_per, k_per)
                 s_sl = pl.ds(split * (k_per // blocksize), max(1, k_per // blocksize))
-                wg_rows = pl.ds(wg * rows, rows)
+                if cfg.k_wgs > 1:  # warpgroups 0, 1 and 2, 3 share rows, not columns
+                    wg_rows = pl.ds(lax.rem(wg, 2) * rows, rows)
+                    part = split * cfg.k_wgs + wg // 2  # this warpgroup's partial of y.T
+                else:
+                    wg_rows, part = pl.ds(wg * rows, rows), split
 
                 def ctx(run):
                     @functools.partial(pl.run_scoped,
@@ -484,11 +543,11 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                         if store_t:  # y itself: this warpgroup's rows are y's columns
                             dst = out_gmem.at[m_sl, n_sl].at[:, wg_rows]
                         else:  # fp32 partials of y.T, one slab per K split
-                            dst = out_gmem.at[split].at[n_sl, m_sl].at[wg_rows]
+                            dst = out_gmem.at[part].at[n_sl, m_sl].at[wg_rows]
                         for e in range(tile_m // epi_m):
                             e_sl = slice(e * epi_m, (e + 1) * epi_m)
-                            slot = out_smem.at[wg, e % 2]
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            slot = out_smem.at[wg, e % slots]
+                            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
                             if store_t:  # the (rows, epi_m) tile of y.T as y's (epi_m, rows)
                                 slot.T[...] = res[:, e_sl]
                                 plgpu.commit_smem()
@@ -499,6 +558,13 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                                 plgpu.copy_smem_to_gmem(slot, dst.at[:, e_sl])
 
                 def body(_, w_smem, x_smem, s_smem, code_smem, acc):
+                    if cfg.k_wgs > 1:  # this warpgroup's columns of the step
+                        half = wg // 2
+                        w_smem = w_smem.at[:, pl.ds(half * wg_k, wg_k)]
+                        x_smem = x_smem.at[:, pl.ds(half * wg_k, wg_k)]
+                        if blocksize <= wg_k:
+                            s_smem = s_smem.at[pl.ds(half * (wg_k // blocksize),
+                                                     wg_k // blocksize)]
                     w = _load(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
                     a = decode(w, s_smem.at[:, wg_rows], code_smem.at[0])
                     plgpu.wgmma(acc, a, x_smem.T)
@@ -514,7 +580,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     num_sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else _SMS
-    out_shape = (m, n) if store_t else (cfg.k_splits, n, m)
+    out_shape = (m, n) if store_t else (partials, n, m)
     f = plgpu.kernel(
         matmul_4bit_mgpu_kernel,  # the name Nsight Compute shows
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -525,11 +591,13 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(
-            out_smem=plgpu.SMEM((2, 2) + ((epi_m, rows) if store_t else (rows, epi_m)), out_dtype,
+            out_smem=plgpu.SMEM((2 * cfg.k_wgs, slots) + ((epi_m, rows) if store_t else (rows, epi_m)),
+                                out_dtype,
                                 transforms=out_transforms),
         ),
     )
-    return f(x, w4, scales_t, code_rows(code, k // tile_k))
+    with compute_registers_held(_FOUR_WG_REGISTERS if cfg.k_wgs == 2 else None):
+        return f(x, w4, scales_t, code_rows(code, k // tile_k))
 
 
 def supports(m, n, k, blocksize):

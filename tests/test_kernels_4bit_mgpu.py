@@ -181,6 +181,7 @@ def test_default_config_is_valid_wherever_supported(m, n128, k64, log_bs):
     assert cfg.tile_m >= m or m > 64  # small M: one token tile holds all rows
     tiles = -(-m // cfg.tile_m) * (n // 128)
     assert cfg.k_splits == 1 or tiles * cfg.k_splits <= mm._SMS
+    assert cfg.k_wgs == 1  # four compute warpgroups have not run on a GPU yet
 
 
 def test_default_config_follows_the_measured_choices():
@@ -199,6 +200,11 @@ def test_unsupported_shapes_and_inputs_get_clear_errors():
     assert not mm.supports(16, 100, 4096, 64)  # N not a multiple of 128
     assert not mm.supports(16, 128, 4096, 32)  # blocksize 32
     assert mm._shape_problem(16, 128, 4096, 64, mm.Config(tile_m=12)) is not None
+    assert "k_wgs must be 1 or 2" in mm._shape_problem(16, 128, 4096, 64, mm.Config(k_wgs=3))
+    assert "tile_m <= 64" in mm._shape_problem(128, 128, 4096, 64,
+                                                mm.Config(tile_m=128, tile_k=128, k_wgs=2))
+    assert "groups of 64 columns" in mm._shape_problem(16, 128, 4096, 64,
+                                                       mm.Config(tile_m=16, tile_k=64, k_wgs=2))
     w = jax.random.normal(jax.random.key(0), (128, 256)) * 0.1
     q = quant.quantize_4bit(w, "nf4", 64, False)
     args = (q.packed.reshape(128, 128), q.absmax.reshape(128, 4), q.code)
@@ -243,12 +249,37 @@ def _lower(m, n, k, bs, cfg, dtype=jnp.bfloat16, nested=True):
      jnp.float16, False),
     (256, 256, 512, 256, mm.Config(tile_m=256, tile_k=64), jnp.bfloat16, True),
     (64, 256, 512, 64, mm.Config(tile_m=64, wg_rows=128), jnp.bfloat16, True),
+    (16, 256, 1024, 64, mm.Config(tile_m=16, tile_k=128, k_splits=2, k_wgs=2), jnp.bfloat16,
+     True),
+    (40, 256, 1024, 128, mm.Config(tile_m=64, tile_k=256, k_wgs=2, max_concurrent_steps=3),
+     jnp.float16, False),
 ])
 def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     """Pallas -> Mosaic GPU on a machine without a GPU: the pipeline, the layouts Mosaic infers
     around the decode, and the decode's register program are all built here."""
     text = _lower(m, n, k, bs, cfg, dtype, nested)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("k_wgs,compute", [(1, 232), (2, mm._FOUR_WG_REGISTERS)])
+def test_compute_warpgroup_registers_fit_the_register_file(k_wgs, compute):
+    """The `setmaxnreg` counts in the lowered kernel: memory warpgroup down to 40, compute
+    warpgroups up to a count the launch allocation can grant (threads x launch registers,
+    65536 / threads rounded down to 8). Four compute warpgroups at jax's own 112 hung."""
+    from benchmarks.ttir_fingerprint import captured_mosaic_modules
+
+    cfg = mm.Config(tile_m=16, tile_k=128, k_wgs=k_wgs)
+    with captured_mosaic_modules() as texts:
+        _lower(16, 256, 1024, 64, cfg)
+    def counts(action):  # jax 0.10: an nvvm op; jax 0.11: inline PTX
+        pattern = rf"nvvm\.setmaxregister {action} (\d+)|setmaxnreg\.{action[:3]}\.\S+ (\d+);"
+        return sorted({int(a or b) for t in texts for a, b in re.findall(pattern, t)})
+
+    assert (counts("increase"), counts("decrease")) == ([compute], [40])
+    threads = 128 * (1 + 2 * k_wgs)
+    launch = (65536 // threads) // 8 * 8
+    assert 128 * 40 + 128 * 2 * k_wgs * compute <= threads * launch
+    assert compute >= launch  # an increase (or none), never a decrease
 
 
 def test_mosaic_module_fingerprints():
