@@ -16,9 +16,9 @@ operand may come from registers. Per compute warpgroup and K step (64 or 128 col
 2. for each of a thread's two weight rows and each scale block, a 16-entry table of
    round(code * absmax) in x's dtype (fp32 products, one rounding: bitsandbytes' dequantized
    weight bit for bit) as byte planes in 8 registers; the 4 lanes of a quad (same rows) each
-   make 4 entries and gather the rest by quad shuffles (`_table_ptx`, 16 instructions);
+   make 4 entries and gather the rest by quad shuffles (`mgpu_decode.table_ptx`, 16 instructions);
 3. each word of 8 codes becomes the four 16-bit pairs of the A fragment by byte permutes
-   (`_LOOKUP_PROGRAM`, 22 instructions, no memory access).
+   (`mgpu_decode._LOOKUP_PROGRAM`, 22 instructions, no memory access).
 
 The (rows, tokens) tile of y.T is stored transposed through shared memory, so y comes out in
 its own layout (one K split, jax >= 0.11); K splits (and jax 0.10, whose layout inference
@@ -46,26 +46,26 @@ further). The register arithmetic would explain it (`compute_registers_held`), s
 now holds its compute warpgroups at 96 registers; it has not run on a GPU since.
 
 Hopper only (sm_90), no interpret mode. CPU checks: the two PTX programs run in a PTX
-interpreter in the tests (`tests/test_kernels_4bit_mgpu.py`), `emulate_lookup_words` /
-`emulate_table_words` are their jnp twins, and the kernel lowers for CUDA on CPU (jax 0.10 and
+interpreter in the tests (`tests/test_kernels_4bit_mgpu.py`), `mgpu_decode.emulate_lookup_words`
+/ `emulate_table_words` are their jnp twins, and the kernel lowers for CUDA on CPU (jax 0.10 and
 0.11); the compiled suite checks it on the GPU, bit for bit through an identity product.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from pallas_kernels import nibble_lookup
 from pallas_kernels.dequantize_4bit import (
     check_4bit_weight, denest_absmax_reference, supports_4bit)
 from pallas_kernels.matmul_4bit import check_x, matmul_4bit_reference
+from pallas_kernels.mgpu_decode import decode_fn, mosaic_modules
+from pallas_kernels.mgpu_pipeline import (
+    FOUR_WG_REGISTERS, SMS, code_rows, code_table_spec, compute_registers_held, load_tile,
+    sm_count, warp_specialized)
 from pallas_kernels.registry import Variant
 
 
@@ -85,230 +85,6 @@ class Config:
     # lowers and its register hold is checked on CPU, but it has not run on a GPU yet
     # (`default_config` never picks it)
     k_wgs: int = 1
-
-
-# --------------------------------------------------------------------------- the decode program
-# One 32-bit word r of 8 packed codes (bytes b0..b3, each hi nibble = even column) and the table
-# words L0..L3, H0..H3 (low / high bytes of the 16 entries, entry 4i + j in byte j of Li / Hi)
-# -> o0..o3, o_b = (code[hi(b_b)] in bits 0-15, code[lo(b_b)] in bits 16-31).
-# Two bytes at a time: the selector s holds the 3-bit indices of (lo, hi) of b0 then b1 in its
-# four nibbles (r & 0x7777), prmt(L0, L1, s) / prmt(L2, L3, s) look up those codes in entries
-# 0-7 / 8-15, and a lop3 picks per byte by bit 3 of the code (sign bits gathered by one more
-# prmt of r and r << 4 in sign-replicating mode).
-_LOOKUP_PROGRAM = (
-    ("shl", "t", "r", 4),
-    ("and", "sa", "r", 0x7777),
-    ("shr", "sb", "r", 16),
-    ("and", "sb", "sb", 0x7777),
-    ("prmt", "ma", "r", "t", 0x9D8C),  # sign bits of lo0, hi0, lo1, hi1 -> byte masks
-    ("prmt", "mb", "r", "t", 0xBFAE),  # lo2, hi2, lo3, hi3
-) + tuple(
-    op
-    for g in "ab"
-    for op in (
-        ("prmt", "x", "L0", "L1", f"s{g}"), ("prmt", "y", "L2", "L3", f"s{g}"),
-        ("lop3", f"l{g}", "x", "y", f"m{g}", 0xD8),  # (x & ~m) | (y & m)
-        ("prmt", "x", "H0", "H1", f"s{g}"), ("prmt", "y", "H2", "H3", f"s{g}"),
-        ("lop3", f"h{g}", "x", "y", f"m{g}", 0xD8),
-        # l = (L[lo0], L[hi0], L[lo1], L[hi1]) -> (L[hi0], H[hi0], L[lo0], H[lo0]) etc.
-        ("prmt", f"o{'0' if g == 'a' else '2'}", f"l{g}", f"h{g}", 0x4051),
-        ("prmt", f"o{'1' if g == 'a' else '3'}", f"l{g}", f"h{g}", 0x6273),
-    )
-)
-_TABLE_WORDS = ("L0", "L1", "L2", "L3", "H0", "H1", "H2", "H3")
-_OUTPUTS = ("o0", "o1", "o2", "o3")
-
-
-_LOOKUP_PTX = nibble_lookup.program_ptx(
-    _LOOKUP_PROGRAM,
-    {"r": "$4", **{w: f"${5 + i}" for i, w in enumerate(_TABLE_WORDS)}},
-    _OUTPUTS, prefix="q_")
-
-
-def _table_ptx(dtype) -> str:
-    """PTX for one row's table, shared by the 4 lanes of a quad (they hold the same rows):
-    $8 = absmax (f32), $9..$12 = codes 4q..4q+3 (f32, q = lane % 4) -> $0..$7 = L0..L3, H0..H3
-    of round(code * absmax) in dtype (bf16 or f16), one fp32 product and one rounding each.
-    Each lane makes its four entries' L_q and H_q words, and eight quad shuffles gather them:
-    16 instructions a table where a lane alone needs 32 (and 16 code loads instead of 4)."""
-    cvt = {"bfloat16": "cvt.rn.bf16x2.f32", "float16": "cvt.rn.f16x2.f32"}[jnp.dtype(dtype).name]
-    lines = ["{", ".reg .f32 p<4>;", ".reg .b32 wa, wb, l, h;"]
-    lines += [f"mul.rn.f32 p{i}, ${9 + i}, $8;" for i in range(4)]
-    # cvt d, a, b puts a in the upper half: wa = (entry 4q, 4q + 1), wb = (4q + 2, 4q + 3)
-    lines += [f"{cvt} wa, p1, p0;", f"{cvt} wb, p3, p2;",
-              "prmt.b32 l, wa, wb, 0x6420;", "prmt.b32 h, wa, wb, 0x7531;"]
-    for j in range(4):  # 0x1c1f: segments of 4 lanes, source lane = quad base + j
-        lines.append(f"shfl.sync.idx.b32 ${j}, l, {j}, 0x1c1f, 0xffffffff;")
-        lines.append(f"shfl.sync.idx.b32 ${4 + j}, h, {j}, 0x1c1f, 0xffffffff;")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- jnp emulation
-def emulate_lookup_words(r, table_words):
-    """Run `_LOOKUP_PROGRAM` on uint32 words r (any shape) with table_words (8,) uint32:
-    returns the four output words o0..o3 (uint32, shaped like r)."""
-    regs = {"r": jnp.asarray(r, jnp.uint32)}
-    regs.update({w: table_words[i] for i, w in enumerate(_TABLE_WORDS)})
-    regs = nibble_lookup.run_program(_LOOKUP_PROGRAM, regs)
-    return tuple(regs[o] for o in _OUTPUTS)
-
-
-def emulate_table_words(absmax, code, dtype):
-    """`_table_ptx`'s result: (..., 8) uint32 words of round(code * absmax) in dtype."""
-    vals = (code.astype(jnp.float32) * jnp.asarray(absmax, jnp.float32)[..., None]).astype(dtype)
-    bits = lax.bitcast_convert_type(vals, jnp.uint16).astype(jnp.uint32)  # (..., 16)
-    planes = jnp.stack([bits & 0xFF, bits >> 8], axis=-2)  # (..., 2, 16)
-    planes = planes.reshape(*planes.shape[:-1], 4, 4)
-    shifts = jnp.asarray([0, 8, 16, 24], jnp.uint32)
-    words = jnp.sum(planes << shifts, axis=-1, dtype=jnp.uint32)  # (..., 2, 4)
-    return words.reshape(*words.shape[:-2], 8)
-
-
-# --------------------------------------------------------------------------- the kernel
-def _mosaic():
-    """The Mosaic GPU modules, imported on first use (CPU-only jax versions may lack them)."""
-    import jax.experimental.mosaic.gpu as mgpu
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mu
-    return mgpu, pl, plgpu, ir, arith, memref, fa, mu
-
-
-def _asm(ptx: str, args, n_out: int, *, convergent: bool = False):
-    """Inline PTX with n_out 32-bit results (`llvm.inline_asm` directly: jax 0.10's Mosaic has
-    no `utils.inline_ptx`). `convergent` (the quad shuffles) where this jaxlib can say it."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-    i32 = ir.IntegerType.get_signless(32)
-    ret = llvm.StructType.get_literal([i32] * n_out)
-    constraints = ",".join(["=r"] * n_out + ["f" if a.type == ir.F32Type.get() else "r"
-                                             for a in args])
-    extra = {"convergent": True} if convergent and hasattr(llvm.InlineAsmOp, "convergent") else {}
-    res = llvm.inline_asm(ret, list(args), ptx, constraints, has_side_effects=False, **extra)
-    return [llvm.extractvalue(i32, res, [i]) for i in range(n_out)]
-
-
-def code_table_spec(plgpu, index_map):
-    """BlockSpec of the code table, once per pipeline step (the warp-specialized pipeline takes
-    only grid-dependent blocks) and padded to 32 floats: a 64-byte TMA destination slot left the
-    next stage's slot misaligned (CUDA_ERROR_MISALIGNED_ADDRESS, H100, session 14)."""
-    return plgpu.BlockSpec((1, 32), index_map)
-
-
-def code_rows(code, steps: int):
-    """The (16,) code table padded to 32 floats, one row per pipeline step of the kernel."""
-    return jnp.broadcast_to(jnp.pad(jnp.asarray(code, jnp.float32), (0, 16)), (steps, 32))
-
-
-# Registers a thread of each of four compute warpgroups: what 5 warpgroups (640 threads) get at
-# launch, 65536 / 640 rounded down to a multiple of 8, so `setmaxnreg.inc` asks for nothing.
-_FOUR_WG_REGISTERS = 96
-
-
-@contextlib.contextmanager
-def compute_registers_held(count: int | None):
-    """While a kernel is traced, hold the register count that jax's warp-specialized pipeline
-    gives its compute warpgroups at `count` (None: jax's own). jax computes
-    (512 - memory registers) / compute warpgroups, which assumes the whole register file
-    is free: with four compute warpgroups that is 112, while 640 threads launch with 96 a
-    thread, and 40 * 128 + 112 * 512 > 96 * 640, so `setmaxnreg.inc` cannot be granted. Four
-    compute warpgroups hung on the H100 (s15-2); tile-ai/tilelang#2406 fixed the same
-    deadlock in its own warp specialization."""
-    if count is None:
-        yield
-        return
-    from jax._src.pallas.mosaic_gpu import pipeline as ws_pipeline
-    original = ws_pipeline._compute_registers
-    ws_pipeline._compute_registers = lambda memory_registers, num_compute_wgs: count
-    try:
-        yield
-    finally:
-        ws_pipeline._compute_registers = original
-
-
-def warp_specialized(plgpu, pl, *, grid, in_specs, num_compute_wgs: int, depth: int):
-    """`pipeline(body, ctx)` over `grid` with a TMA memory warpgroup feeding `num_compute_wgs`
-    compute warpgroups, and `allocate(*gmem_refs)` for the scoped buffers it needs."""
-    def pipeline(body, ctx):
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=grid, memory_registers=40, in_specs=in_specs, wg_axis="wg",
-            num_compute_wgs=num_compute_wgs, max_concurrent_steps=depth, compute_context=ctx)
-
-    ignore = lambda *_, **__: None
-    allocate = lambda *refs: pipeline(ignore, ignore).get_allocations(*refs)
-    return pipeline, allocate
-
-
-def _load(plgpu, ref, index, layout):
-    """plgpu.load of ref[index] in `layout`: jax 0.11 takes `ref.at[index]` (a separate index
-    is deprecated), jax 0.10 only the separate index."""
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-        return plgpu.load(ref, (index,), layout=layout)
-    return plgpu.load(ref.at[index], layout=layout)
-
-
-def _decode_fn(dtype, kb: int, rows: int, blocksize: int):
-    """Mosaic GPU (lane-level) function: int4 (rows, 64 * kb) tile in WGMMA_LAYOUT_UPCAST_4X,
-    the f32 scale ref (kb, rows) and the f32 code ref (16,) -> the decoded (rows, 64 * kb) tile
-    in WGMMA_LAYOUT, dtype."""
-    mgpu, pl, plgpu, ir, arith, memref, fa, mu = _mosaic()
-
-    def decode(ctx, w, scale_ref, code_ref):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        idx = ir.IndexType.get()
-        c32 = lambda v: arith.constant(i32, v)
-        w = w.to_layout(fa.WGMMA_LAYOUT_UPCAST_2X)
-        tid = mu.thread_idx()
-        lane = arith.remui(tid, c32(32))
-        warp = arith.remui(arith.divui(tid, c32(32)), c32(4))
-        row_in_16 = arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4)))
-        quad = arith.remui(lane, c32(4))
-        codes = [memref.load(code_ref, [arith.index_cast(idx, arith.addi(
-            arith.muli(quad, c32(4)), c32(i)))]) for i in range(4)]
-        tables = {}
-
-        def table(rt, h, blk):
-            key = (rt, h, blk)
-            if key not in tables:
-                row = arith.addi(row_in_16, c32(64 * rt + 8 * h))
-                a = memref.load(scale_ref, [arith.constant(idx, blk), arith.index_cast(idx, row)])
-                tables[key] = _asm(_table_ptx(dtype), (a, *codes), 8, convergent=True)
-            return tables[key]
-
-        # Mosaic's WGMMA_LAYOUT_UPCAST_2X -> WGMMA_LAYOUT relayout for 4-bit data, stopped
-        # before it splits each 32-bit word into four registers (fragmented_array.to_layout).
-        is_even = arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, c32(2)), c32(0))
-        regs = w.registers
-        col_minor = np.moveaxis(regs, 1, -1)
-        paired = [mu.vector_concat((lo, hi))
-                  for lo, hi in zip(col_minor.flat[::2], col_minor.flat[1::2])]
-        paired = np.asarray(paired, dtype=object).reshape(
-            *col_minor.shape[:-1], col_minor.shape[-1] // 2)
-        paired = np.moveaxis(paired, -1, 1)
-        out_layout = mgpu.WGMMA_LAYOUT
-        shape = (rows, 64 * kb)
-        new_regs = np.empty(out_layout.registers_shape(shape), dtype=object)
-        vec_ty = ir.VectorType.get((2,), mu.dtype_to_ir_type(dtype))
-        perm = arith.select(is_even, c32(0x6240), c32(0x3715))
-        for index, reg in np.ndenumerate(paired):
-            word = mu.bitcast(reg, i32)
-            exchanged = mu.shfl_bfly(word, 1)
-            blend = mu.prmt(word, exchanged, perm)
-            rt, h = index[0], index[4]
-            # WGMMA registers index[1] * 4 + i hold columns 8 * (index[1] * 4 + i) + ...
-            blk = (index[1] * 4 * 8) // blocksize if blocksize <= 64 * kb else 0
-            outs = _asm(_LOOKUP_PTX, (blend, *table(rt, h, blk)), 4)
-            for i, o in enumerate(outs):
-                new_regs[(index[0], index[1] * 4 + i, *index[2:-1])] = mu.bitcast(o, vec_ty)
-        assert all(r is not None for r in new_regs.flat)
-        return fa.FragmentedArray(_registers=new_regs, _layout=out_layout, _is_signed=None)
-
-    return decode
 
 
 def matmul_4bit_mgpu(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
@@ -386,14 +162,11 @@ def _shape_problem(m, n, k, blocksize, cfg: Config) -> str | None:
         return f"tile_k ({cfg.tile_k}) must hold k_wgs ({cfg.k_wgs}) groups of 64 columns"
     if cfg.k_wgs > 1 and (cfg.wg_rows != 64 or cfg.tile_m > 64):
         return ("k_wgs = 2 takes wg_rows = 64 and tile_m <= 64 (four compute warpgroups "
-                f"have {_FOUR_WG_REGISTERS} registers each)")
+                f"have {FOUR_WG_REGISTERS} registers each)")
     if (k // cfg.k_splits) % blocksize:
         return f"each K split ({k // cfg.k_splits} columns) must hold whole scale blocks"
     return None
 
-
-# CTAs per wave: a split count is chosen so that tiles x splits stays within about one wave.
-_SMS = 132
 
 
 def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
@@ -410,7 +183,7 @@ def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
         tile_m = 256
     base = -(-m // tile_m) * max(1, n // 128)
     splits = 1
-    while base * splits * 2 <= _SMS and splits < 8:
+    while base * splits * 2 <= SMS and splits < 8:
         splits *= 2
     tile_k = 128 if tile_m <= 128 else 64
     while splits > 1 and _shape_problem(m, n, k, blocksize, Config(tile_m, tile_k, splits)):
@@ -456,14 +229,14 @@ def available() -> bool:
     if not str(cc).startswith("9."):
         return False
     try:
-        _, _, plgpu, *_ = _mosaic()
+        _, _, plgpu, *_ = mosaic_modules()
     except Exception:  # noqa: BLE001 - a jax without Mosaic GPU
         return False
     return all(hasattr(plgpu, name) for name in ("inline_mgpu", "emit_pipeline_warp_specialized"))
 
 
 def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
-    _, pl, plgpu, *_ = _mosaic()
+    _, pl, plgpu, *_ = mosaic_modules()
     m, k = x.shape
     n = w4.shape[0]
     dtype = x.dtype
@@ -489,12 +262,13 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
     out_bits = jnp.dtype(out_dtype).itemsize * 8
     store_t = _stores_transposed(cfg)
     out_swizzle = plgpu.find_swizzle((rows if store_t else epi_m) * out_bits, "out")
+    slot_tile = (epi_m, rows) if store_t else (rows, epi_m)  # one epilogue staging slot
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)),
                       plgpu.SwizzleTransform(out_swizzle))
     decode = plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType(), plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((rows, wg_k), dtype, layout=plgpu.Layout.WGMMA),
-    )(_decode_fn(dtype, kb, rows, blocksize))
+    )(decode_fn(dtype, kb, rows, blocksize))
 
     if blocksize <= tile_k:
         scale_spec = plgpu.BlockSpec((scale_rows, cta_n), lambda kk: (kk, 0))
@@ -565,7 +339,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                         if blocksize <= wg_k:
                             s_smem = s_smem.at[pl.ds(half * (wg_k // blocksize),
                                                      wg_k // blocksize)]
-                    w = _load(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
+                    w = load_tile(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
                     a = decode(w, s_smem.at[:, wg_rows], code_smem.at[0])
                     plgpu.wgmma(acc, a, x_smem.T)
                     # wait(1) with slots released a step late (decode of step k + 1 under
@@ -579,7 +353,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                     code_gmem.at[pl.ds(split * k_iters, k_iters)], allocations=allocs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    num_sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else _SMS
+    num_sms = sm_count()
     out_shape = (m, n) if store_t else (partials, n, m)
     f = plgpu.kernel(
         matmul_4bit_mgpu_kernel,  # the name Nsight Compute shows
@@ -591,12 +365,11 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(
-            out_smem=plgpu.SMEM((2 * cfg.k_wgs, slots) + ((epi_m, rows) if store_t else (rows, epi_m)),
-                                out_dtype,
+            out_smem=plgpu.SMEM((2 * cfg.k_wgs, slots, *slot_tile), out_dtype,
                                 transforms=out_transforms),
         ),
     )
-    with compute_registers_held(_FOUR_WG_REGISTERS if cfg.k_wgs == 2 else None):
+    with compute_registers_held(FOUR_WG_REGISTERS if cfg.k_wgs == 2 else None):
         return f(x, w4, scales_t, code_rows(code, k // tile_k))
 
 

@@ -6,7 +6,7 @@ In the forward kernel the decoded weight is the wgmma's register operand (its ro
 product's rows). Here the weight's rows are the reduction dimension, and a register operand
 holds rows of the output: a thread would need codes of two weight rows per register, with a
 different scale for each. So each step decodes an (n_t, 64) tile of W exactly as the forward
-does (per-row tables, `_decode_fn`), stores it to shared memory in the swizzled layout wgmma
+does (per-row tables, `decode_fn`), stores it to shared memory in the swizzled layout wgmma
 reads, and multiplies dy's (M_t, n_t) tile by it:
 
     acc (M_t, 64) += dy (M_t, n_t) . W (n_t, 64)
@@ -28,8 +28,9 @@ from jax import lax
 
 from pallas_kernels.dequantize_4bit import check_4bit_operands, supports_4bit
 from pallas_kernels.matmul_4bit import check_x
-from pallas_kernels.matmul_4bit_mgpu import (
-    _SMS, _decode_fn, _load, _mosaic, code_rows, code_table_spec, warp_specialized)
+from pallas_kernels.mgpu_decode import decode_fn, mosaic_modules
+from pallas_kernels.mgpu_pipeline import (
+    SMS, code_rows, code_table_spec, load_tile, sm_count, warp_specialized)
 from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
 from pallas_kernels.registry import Variant
 
@@ -65,7 +66,7 @@ def default_config_t(m: int, n: int, k: int, blocksize: int) -> ConfigT:
     tile_m = 64 if m <= 64 else 128
     base = -(-m // tile_m) * (k // 64)
     splits = 1
-    while base * splits * 2 <= 2 * _SMS and splits < 8 and n % (64 * splits * 2) == 0:
+    while base * splits * 2 <= 2 * SMS and splits < 8 and n % (64 * splits * 2) == 0:
         splits *= 2
     # 128 weight rows per step where N is not split: at 14336x4096 (224 dx column blocks)
     # 1.42 / 1.54x the dense product at M = 16 / 128 against 1.51 / 1.83 with 64 (H100, s14)
@@ -109,7 +110,7 @@ def matmul_4bit_mgpu_t(dy, packed, absmax, code, *, blocksize: int, out_dtype=No
 
 
 def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
-    _, pl, plgpu, *_ = _mosaic()
+    _, pl, plgpu, *_ = mosaic_modules()
     m, n = dy.shape
     k = w4.shape[1]
     dtype = dy.dtype
@@ -130,7 +131,7 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
     decode = plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType(), plgpu.RefType()),
         return_type=plgpu.ShapeDtypeStruct((tile_n, 64), dtype, layout=plgpu.Layout.WGMMA),
-    )(_decode_fn(dtype, 1, tile_n, blocksize))
+    )(decode_fn(dtype, 1, tile_n, blocksize))
     n_codes = n // tile_n
 
     pipeline, allocate = warp_specialized(
@@ -169,7 +170,7 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
                         plgpu.copy_smem_to_gmem(out_smem, dst.at[m_sl, k_sl])
 
                 def body(_, dy_smem, w_smem, s_smem, code_smem, acc):
-                    w = _load(plgpu, w_smem, slice(None), plgpu.Layout.WGMMA_UPCAST_4X)
+                    w = load_tile(plgpu, w_smem, slice(None), plgpu.Layout.WGMMA_UPCAST_4X)
                     wd_smem[...] = decode(w, s_smem, code_smem.at[0])
                     plgpu.commit_smem()  # the decoded tile is read by the async proxy (wgmma)
                     plgpu.wgmma(acc, dy_smem, wd_smem)
@@ -182,7 +183,7 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
                     code_gmem.at[pl.ds(split * n_iters, n_iters)], allocations=allocs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    num_sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else _SMS
+    num_sms = sm_count()
     out_shape = (cfg.n_splits, m, k) if cfg.n_splits > 1 else (m, k)
     f = plgpu.kernel(
         matmul_4bit_mgpu_t_kernel,  # the name Nsight Compute shows

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from jqlora import ops, quant
 from jqlora.quant import tables
 from pallas_kernels import matmul_4bit_mgpu as mm
+from pallas_kernels import mgpu_decode as md
 from pallas_kernels import matmul_4bit_mgpu_t as mt
 from pallas_kernels.matmul_4bit import matmul_4bit_reference
 from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
@@ -90,25 +91,25 @@ def _run_ptx(ptx: str, operands: dict[int, np.ndarray], n_out: int) -> list[np.n
 
 def _tables_by_ptx(absmax: np.ndarray, code: np.ndarray, dtype) -> np.ndarray:
     """(rows,) absmax -> (rows, 8) table words, each row's table built by a quad of 4 lanes
-    running `_table_ptx` (lane q gets codes 4q..4q+3), as the kernel does."""
+    running `table_ptx` (lane q gets codes 4q..4q+3), as the kernel does."""
     rows = absmax.shape[0]
     lanes = np.repeat(np.asarray(absmax, np.float32), 4).view(np.uint32)
     quad = np.tile(np.arange(4), rows)
     ops_ = {8: lanes}
     for i in range(4):
         ops_[9 + i] = np.asarray(code, np.float32)[4 * quad + i].view(np.uint32)
-    out = _run_ptx(mm._table_ptx(dtype), ops_, 8)
+    out = _run_ptx(md.table_ptx(dtype), ops_, 8)
     words = np.stack(out, axis=-1).reshape(rows, 4, 8)
     assert (words == words[:, :1]).all(), "the quad's lanes disagree on the table"
     return words[:, 0]
 
 
 def _lookup_by_ptx(r: np.ndarray, words: np.ndarray) -> np.ndarray:
-    """(L,) packed words and (L, 8) table words -> (L, 4) output words of `_LOOKUP_PTX`."""
+    """(L,) packed words and (L, 8) table words -> (L, 4) output words of `LOOKUP_PTX`."""
     ops_ = {4: np.asarray(r, np.uint32)}
     for i in range(8):
         ops_[5 + i] = np.asarray(words[:, i], np.uint32)
-    return np.stack(_run_ptx(mm._LOOKUP_PTX, ops_, 4), axis=-1)
+    return np.stack(_run_ptx(md.LOOKUP_PTX, ops_, 4), axis=-1)
 
 
 def _expected_pairs(r, absmax, code, dtype):
@@ -137,12 +138,12 @@ def test_ptx_programs_decode_every_byte(quant_type, dtype, seed):
     absmax = (2.0 ** rng.uniform(-20, 4, n)).astype(np.float32)
     words = _tables_by_ptx(absmax, code, dtype)
     np.testing.assert_array_equal(
-        words, np.asarray(mm.emulate_table_words(absmax, jnp.asarray(code), DTYPES[dtype])))
+        words, np.asarray(md.emulate_table_words(absmax, jnp.asarray(code), DTYPES[dtype])))
     perm = [rng.permutation(256) for _ in range(4)]
     r = sum(perm[b].astype(np.uint32) << (8 * b) for b in range(4)).astype(np.uint32)
     got = _lookup_by_ptx(r, words)
     np.testing.assert_array_equal(got, _expected_pairs(r, absmax, code, DTYPES[dtype]))
-    emulated = np.stack([np.asarray(o) for o in jax.vmap(mm.emulate_lookup_words)(
+    emulated = np.stack([np.asarray(o) for o in jax.vmap(md.emulate_lookup_words)(
         jnp.asarray(r), jnp.asarray(words))], axis=-1)
     np.testing.assert_array_equal(emulated, got)
 
@@ -180,7 +181,7 @@ def test_default_config_is_valid_wherever_supported(m, n128, k64, log_bs):
     assert mm.smem_bytes(cfg, bs) <= mm._SMEM_LIMIT
     assert cfg.tile_m >= m or m > 64  # small M: one token tile holds all rows
     tiles = -(-m // cfg.tile_m) * (n // 128)
-    assert cfg.k_splits == 1 or tiles * cfg.k_splits <= mm._SMS
+    assert cfg.k_splits == 1 or tiles * cfg.k_splits <= mm.SMS
     assert cfg.k_wgs == 1  # four compute warpgroups have not run on a GPU yet
 
 
@@ -261,7 +262,7 @@ def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("k_wgs,compute", [(1, 232), (2, mm._FOUR_WG_REGISTERS)])
+@pytest.mark.parametrize("k_wgs,compute", [(1, 232), (2, mm.FOUR_WG_REGISTERS)])
 def test_compute_warpgroup_registers_fit_the_register_file(k_wgs, compute):
     """The `setmaxnreg` counts in the lowered kernel: memory warpgroup down to 40, compute
     warpgroups up to a count the launch allocation can grant (threads x launch registers,
@@ -393,7 +394,7 @@ def test_backward_default_config_is_valid(m, n64, k64):
     n, k = 64 * n64, 64 * k64
     cfg = mt.default_config_t(m, n, k, 64)
     assert mt._shape_problem(m, n, k, 64, cfg) is None
-    assert cfg.n_splits == 1 or -(-m // cfg.tile_m) * (k // 64) * cfg.n_splits <= 2 * mm._SMS
+    assert cfg.n_splits == 1 or -(-m // cfg.tile_m) * (k // 64) * cfg.n_splits <= 2 * mm.SMS
     assert (cfg.tile_n == 128) == (cfg.n_splits == 1 and n % 128 == 0)
 
 

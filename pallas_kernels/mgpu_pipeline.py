@@ -1,0 +1,80 @@
+"""What both Hopper Mosaic GPU kernels (`matmul_4bit_mgpu`, `matmul_4bit_mgpu_t`) build their
+pipelines from: the warp-specialized TMA pipeline, the code table as a per-step block, a tile
+load that works under jax 0.10 and 0.11, the SM count, and the register hold that four compute
+warpgroups need.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+# SMs of an H100 / H200: the CTA count where no GPU is attached (lowering on CPU)
+SMS = 132
+
+
+def sm_count() -> int:
+    """SMs of the default device, or `SMS` where there is no GPU (lowering for CUDA on CPU)."""
+    return jax.devices()[0].core_count if jax.default_backend() == "gpu" else SMS
+
+
+def code_table_spec(plgpu, index_map):
+    """BlockSpec of the code table, once per pipeline step (the warp-specialized pipeline takes
+    only grid-dependent blocks) and padded to 32 floats: a 64-byte TMA destination slot left the
+    next stage's slot misaligned (CUDA_ERROR_MISALIGNED_ADDRESS, H100, session 14)."""
+    return plgpu.BlockSpec((1, 32), index_map)
+
+
+def code_rows(code, steps: int):
+    """The (16,) code table padded to 32 floats, one row per pipeline step of the kernel."""
+    return jnp.broadcast_to(jnp.pad(jnp.asarray(code, jnp.float32), (0, 16)), (steps, 32))
+
+
+# Registers a thread of each of four compute warpgroups: what 5 warpgroups (640 threads) get at
+# launch, 65536 / 640 rounded down to a multiple of 8, so `setmaxnreg.inc` asks for nothing.
+FOUR_WG_REGISTERS = 96
+
+
+@contextlib.contextmanager
+def compute_registers_held(count: int | None):
+    """While a kernel is traced, hold the register count that jax's warp-specialized pipeline
+    gives its compute warpgroups at `count` (None: jax's own). jax computes
+    (512 - memory registers) / compute warpgroups, which assumes the whole register file
+    is free: with four compute warpgroups that is 112, while 640 threads launch with 96 a
+    thread, and 40 * 128 + 112 * 512 > 96 * 640, so `setmaxnreg.inc` cannot be granted. Four
+    compute warpgroups hung on the H100 (s15-2); tile-ai/tilelang#2406 fixed the same
+    deadlock in its own warp specialization."""
+    if count is None:
+        yield
+        return
+    from jax._src.pallas.mosaic_gpu import pipeline as ws_pipeline
+    original = ws_pipeline._compute_registers
+    ws_pipeline._compute_registers = lambda memory_registers, num_compute_wgs: count
+    try:
+        yield
+    finally:
+        ws_pipeline._compute_registers = original
+
+
+def warp_specialized(plgpu, pl, *, grid, in_specs, num_compute_wgs: int, depth: int):
+    """`pipeline(body, ctx)` over `grid` with a TMA memory warpgroup feeding `num_compute_wgs`
+    compute warpgroups, and `allocate(*gmem_refs)` for the scoped buffers it needs."""
+    def pipeline(body, ctx):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=grid, memory_registers=40, in_specs=in_specs, wg_axis="wg",
+            num_compute_wgs=num_compute_wgs, max_concurrent_steps=depth, compute_context=ctx)
+
+    ignore = lambda *_, **__: None
+    allocate = lambda *refs: pipeline(ignore, ignore).get_allocations(*refs)
+    return pipeline, allocate
+
+
+def load_tile(plgpu, ref, index, layout):
+    """plgpu.load of ref[index] in `layout`: jax 0.11 takes `ref.at[index]` (a separate index
+    is deprecated), jax 0.10 only the separate index."""
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (index,), layout=layout)
+    return plgpu.load(ref.at[index], layout=layout)
+
