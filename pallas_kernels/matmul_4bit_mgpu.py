@@ -360,7 +360,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
-        num_threads=3,
+        num_threads=2 * cfg.k_wgs + 1,  # the compute warpgroups and the memory warpgroup
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -277,7 +277,12 @@ def test_compute_warpgroup_registers_fit_the_register_file(k_wgs, compute):
         return sorted({int(a or b) for t in texts for a, b in re.findall(pattern, t)})
 
     assert (counts("increase"), counts("decrease")) == ([compute], [40])
+    # the block launches every warpgroup the pipeline waits for (k_wgs = 2 with 3 warpgroups,
+    # 384 threads, hung the H100 in s16-1: barriers counting arrivals of 4 compute warpgroups)
+    launched = {int(t) for text in texts
+                for t in re.findall(r"threads\([^)]*\) in \(%\w+ = %c(\d+)", text)}
     threads = 128 * (1 + 2 * k_wgs)
+    assert launched == {threads}
     launch = (65536 // threads) // 8 * 8
     assert 128 * 40 + 128 * 2 * k_wgs * compute <= threads * launch
     assert compute >= launch  # an increase (or none), never a decrease
