@@ -89,7 +89,7 @@ def check(out: list) -> None:
             (128, 1024, 256, 256, "nf4", jnp.float16, "tile_m=128"),
             (64, 1024, 512, 64, "nf4", jnp.bfloat16, "tile_m=64,wg_rows=128,tile_k=256,"
              "max_concurrent_steps=3"),
-            # four compute warpgroups (experimental; hung in s15-2 before the register hold):
+            # four compute warpgroups (hung in s15-2 and s16-1 when 3 warpgroups were launched):
             # last, so that a hang leaves the rows above printed
             (16, 1024, 256, 64, "nf4", jnp.bfloat16, "tile_m=16,tile_k=128,k_wgs=2"),
             (40, 1024, 256, 128, "fp4", jnp.float16, "tile_m=64,tile_k=256,k_wgs=2,"
@@ -221,7 +221,8 @@ def main():
     ap.add_argument("part", choices=("check", "time", "check_t", "bwd"))
     ap.add_argument("--ms", default="128,2048,8192")
     ap.add_argument("--shapes", default=",".join(f"{k}:{n}" for k, n in SHAPES))
-    ap.add_argument("--configs", default=";".join(CONFIGS))
+    ap.add_argument("--configs", default=None,
+                    help="';'-separated configs (default: CONFIGS; for bwd, the backward default)")
     ap.add_argument("--no-baselines", action="store_true",
                     help="time: only bf16 and the configs (not auto / the previous default)")
     a = ap.parse_args()
@@ -233,10 +234,12 @@ def main():
             check_t(out)
         elif a.part == "bwd":
             shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
-            time_backward(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"))
+            time_backward(out, [int(v) for v in a.ms.split(",")], shapes,
+                          (a.configs or "default").split(";"))
         else:
             shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
-            time_configs(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"),
+            time_configs(out, [int(v) for v in a.ms.split(",")], shapes,
+                         (a.configs or ";".join(CONFIGS)).split(";"),
                          baselines=not a.no_baselines)
     finally:
         write_rows(out, f"mgpu_probe_{a.part}.json")

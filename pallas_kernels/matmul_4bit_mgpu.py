@@ -41,9 +41,12 @@ per SM (one CTA: the 168 registers a thread of 3 warpgroups gets), 2 of them dec
 scheduler: 0.54 instructions issued per scheduler cycle, DRAM at 37% of peak. M = 128: the same
 6.1 per weight, 30% of issue slots busy, DRAM 28%. Deeper pipelines (6, 8 steps), 256-column
 steps and 128-row warpgroups were no faster (s15). Four compute warpgroups (two per row group,
-each half of a step's columns, `Config.k_wgs = 2`) hung on the GPU (s15-2; not debugged
-further). The register arithmetic would explain it (`compute_registers_held`), so that form
-now holds its compute warpgroups at 96 registers; it has not run on a GPU since.
+each half of a step's columns, `Config.k_wgs = 2`) run (s16, bit for bit) with 20 warps per SM
+and 47% of issue slots busy, but execute 7.0 instructions per weight and are no faster
+(M = 16: 0.905 / 0.676 / 0.668 x bf16 against the default's 0.888 / 0.671 / 0.670). The ALU pipe
+is the busiest: 46% of elapsed cycles (66% of the cycles the SMs are active), 51% with k_wgs = 2.
+Both kernels keep the 16-entry code table in registers, loaded once per tile
+(`mgpu_decode.code_loader`): -1.1 to -2.1 us a call against a per-step block (s16).
 
 Hopper only (sm_90), no interpret mode. CPU checks: the two PTX programs run in a PTX
 interpreter in the tests (`tests/test_kernels_4bit_mgpu.py`), `mgpu_decode.emulate_lookup_words`
@@ -62,10 +65,9 @@ from jax import lax
 from pallas_kernels.dequantize_4bit import (
     check_4bit_weight, denest_absmax_reference, supports_4bit)
 from pallas_kernels.matmul_4bit import check_x, matmul_4bit_reference
-from pallas_kernels.mgpu_decode import decode_fn, mosaic_modules
+from pallas_kernels.mgpu_decode import code_loader, codes_layout, decode_fn, mosaic_modules
 from pallas_kernels.mgpu_pipeline import (
-    FOUR_WG_REGISTERS, SMS, code_rows, code_table_spec, compute_registers_held, load_tile,
-    sm_count, warp_specialized)
+    FOUR_WG_REGISTERS, SMS, compute_registers_held, load_tile, sm_count, warp_specialized)
 from pallas_kernels.registry import Variant
 
 
@@ -80,10 +82,9 @@ class Config:
     wg_rows: int = 64  # weight rows per compute warpgroup (64 or 128)
     # compute warpgroups per row group, each taking tile_k / k_wgs columns of every step (1 or
     # 2). 2 runs four compute warpgroups with 96 registers each, doubling the warps that hide
-    # the decode's latency (ncu, H100, session 15: 0.54 instructions issued per scheduler
-    # cycle with 2); their fp32 partials are summed by XLA like K splits. Experimental: it
-    # lowers and its register hold is checked on CPU, but it has not run on a GPU yet
-    # (`default_config` never picks it)
+    # the decode's latency; their fp32 partials are summed by XLA like K splits. Correct on the
+    # H100 but no faster (s16: within 0.02 x bf16 at M = 16, 0.02-0.07 slower at M = 64), so
+    # `default_config` never picks it
     k_wgs: int = 1
 
 
@@ -207,7 +208,7 @@ def smem_bytes(cfg: Config, blocksize: int) -> int:
     up = lambda b: -(-b // 1024) * 1024
     cta_n = 2 * cfg.wg_rows
     scale_rows = max(1, cfg.tile_k // blocksize)
-    tiles = (cta_n * cfg.tile_k // 2, cfg.tile_m * cfg.tile_k * 2, scale_rows * cta_n * 4, 32 * 4)
+    tiles = (cta_n * cfg.tile_k // 2, cfg.tile_m * cfg.tile_k * 2, scale_rows * cta_n * 4)
     out_bytes = 4 if _partials(cfg) > 1 else 2
     return (sum(up(cfg.max_concurrent_steps * t) for t in tiles)
             + up(2 * cfg.k_wgs * _epilogue_slots(cfg) * cfg.wg_rows * min(64, cfg.tile_m)
@@ -266,9 +267,10 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // out_bits)),
                       plgpu.SwizzleTransform(out_swizzle))
     decode = plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType(), plgpu.RefType()),
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType(), codes_layout(plgpu)),
         return_type=plgpu.ShapeDtypeStruct((rows, wg_k), dtype, layout=plgpu.Layout.WGMMA),
     )(decode_fn(dtype, kb, rows, blocksize))
+    load_codes = code_loader(plgpu)
 
     if blocksize <= tile_k:
         scale_spec = plgpu.BlockSpec((scale_rows, cta_n), lambda kk: (kk, 0))
@@ -282,11 +284,10 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
             plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=w_transforms),
             plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
             scale_spec,
-            code_table_spec(plgpu, lambda kk: (kk, 0)),
         ])
 
     def matmul_4bit_mgpu_kernel(x_gmem, w_gmem, s_gmem, code_gmem, out_gmem, out_smem):
-        @functools.partial(pl.run_scoped, allocs=allocate(w_gmem, x_gmem, s_gmem, code_gmem),
+        @functools.partial(pl.run_scoped, allocs=allocate(w_gmem, x_gmem, s_gmem),
                            collective_axes="wg")
         def _scope(allocs):
             wg = lax.axis_index("wg")
@@ -311,7 +312,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                     @functools.partial(pl.run_scoped,
                                        acc=plgpu.ACC((rows, tile_m), acc_dtype))
                     def _acc(acc):
-                        run(acc)
+                        run((acc, load_codes(code_gmem)))  # the table rides in registers
                         res = acc[...].astype(out_dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         if store_t:  # y itself: this warpgroup's rows are y's columns
@@ -331,7 +332,8 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(slot, dst.at[:, e_sl])
 
-                def body(_, w_smem, x_smem, s_smem, code_smem, acc):
+                def body(_, w_smem, x_smem, s_smem, carry):
+                    acc, codes = carry
                     if cfg.k_wgs > 1:  # this warpgroup's columns of the step
                         half = wg // 2
                         w_smem = w_smem.at[:, pl.ds(half * wg_k, wg_k)]
@@ -340,17 +342,17 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                             s_smem = s_smem.at[pl.ds(half * (wg_k // blocksize),
                                                      wg_k // blocksize)]
                     w = load_tile(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
-                    a = decode(w, s_smem.at[:, wg_rows], code_smem.at[0])
+                    a = decode(w, s_smem.at[:, wg_rows], codes)
                     plgpu.wgmma(acc, a, x_smem.T)
                     # wait(1) with slots released a step late (decode of step k + 1 under
                     # this warpgroup's own MMA k) gave NaN on the H100 (s14-6): the A
                     # registers are reused while the MMA still reads them
                     plgpu.wgmma_wait(0)
-                    return acc
+                    return acc, codes
 
                 pipeline(body, ctx)(
                     w_gmem.at[n_sl, k_sl], x_gmem.at[m_sl, k_sl], s_gmem.at[s_sl, n_sl],
-                    code_gmem.at[pl.ds(split * k_iters, k_iters)], allocations=allocs)
+                    allocations=allocs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     num_sms = sm_count()
@@ -370,7 +372,7 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
         ),
     )
     with compute_registers_held(FOUR_WG_REGISTERS if cfg.k_wgs == 2 else None):
-        return f(x, w4, scales_t, code_rows(code, k // tile_k))
+        return f(x, w4, scales_t, code)
 
 
 def supports(m, n, k, blocksize):

@@ -12,7 +12,8 @@ reads, and multiplies dy's (M_t, n_t) tile by it:
     acc (M_t, 64) += dy (M_t, n_t) . W (n_t, 64)
 
 One compute warpgroup per CTA, which owns 64 output columns (one scale block at blocksize 64);
-the memory warpgroup streams dy, W, the scales and the code table with TMA. A CTA of about
+the memory warpgroup streams dy, W and the scales with TMA (the code table is loaded once per
+tile into registers, `mgpu_decode.code_loader`). A CTA of about
 100 KB of shared memory leaves room for two per SM, so one CTA's decode can run under the
 other's MMA. The output is dx itself (no transpose); with several N splits XLA sums fp32
 partials. Hopper only, no interpret mode (as the forward kernel).
@@ -28,9 +29,9 @@ from jax import lax
 
 from pallas_kernels.dequantize_4bit import check_4bit_operands, supports_4bit
 from pallas_kernels.matmul_4bit import check_x
-from pallas_kernels.mgpu_decode import decode_fn, mosaic_modules
+from pallas_kernels.mgpu_decode import code_loader, codes_layout, decode_fn, mosaic_modules
 from pallas_kernels.mgpu_pipeline import (
-    SMS, code_rows, code_table_spec, load_tile, sm_count, warp_specialized)
+    SMS, load_tile, sm_count, warp_specialized)
 from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
 from pallas_kernels.registry import Variant
 
@@ -129,10 +130,10 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
     out_transforms = (plgpu.TilingTransform((8, out_sw * 8 // out_bits)),
                       plgpu.SwizzleTransform(out_sw))
     decode = plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType(), plgpu.RefType()),
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.RefType(), codes_layout(plgpu)),
         return_type=plgpu.ShapeDtypeStruct((tile_n, 64), dtype, layout=plgpu.Layout.WGMMA),
     )(decode_fn(dtype, 1, tile_n, blocksize))
-    n_codes = n // tile_n
+    load_codes = code_loader(plgpu)
 
     pipeline, allocate = warp_specialized(
         plgpu, pl, grid=(n_iters,), num_compute_wgs=1, depth=cfg.max_concurrent_steps,
@@ -140,11 +141,10 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
             plgpu.BlockSpec((tile_m, tile_n), lambda i: (0, i), transforms=dy_transforms),
             plgpu.BlockSpec((tile_n, 64), lambda i: (i, 0), transforms=w_transforms),
             plgpu.BlockSpec((1, tile_n), lambda i: (0, i)),
-            code_table_spec(plgpu, lambda i: (i, 0)),
         ])
 
     def matmul_4bit_mgpu_t_kernel(dy_gmem, w_gmem, s_gmem, code_gmem, out_gmem, wd_smem, out_smem):
-        @functools.partial(pl.run_scoped, allocs=allocate(dy_gmem, w_gmem, s_gmem, code_gmem),
+        @functools.partial(pl.run_scoped, allocs=allocate(dy_gmem, w_gmem, s_gmem),
                            collective_axes="wg")
         def _scope(allocs):
             @plgpu.nd_loop((m_iters * k_iters * cfg.n_splits,), collective_axes="sm")
@@ -161,7 +161,7 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
                 def ctx(run):
                     @functools.partial(pl.run_scoped, acc=plgpu.ACC((tile_m, 64), jnp.float32))
                     def _acc(acc):
-                        run(acc)
+                        run((acc, load_codes(code_gmem)))  # the table rides in registers
                         res = acc[...].astype(out_dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         out_smem[...] = res
@@ -169,18 +169,18 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
                         dst = out_gmem.at[split] if cfg.n_splits > 1 else out_gmem
                         plgpu.copy_smem_to_gmem(out_smem, dst.at[m_sl, k_sl])
 
-                def body(_, dy_smem, w_smem, s_smem, code_smem, acc):
+                def body(_, dy_smem, w_smem, s_smem, carry):
+                    acc, codes = carry
                     w = load_tile(plgpu, w_smem, slice(None), plgpu.Layout.WGMMA_UPCAST_4X)
-                    wd_smem[...] = decode(w, s_smem, code_smem.at[0])
+                    wd_smem[...] = decode(w, s_smem, codes)
                     plgpu.commit_smem()  # the decoded tile is read by the async proxy (wgmma)
                     plgpu.wgmma(acc, dy_smem, wd_smem)
                     plgpu.wgmma_wait(0)
-                    return acc
+                    return acc, codes
 
                 pipeline(body, ctx)(
                     dy_gmem.at[m_sl, n_sl], w_gmem.at[n_sl, k_sl],
-                    s_gmem.at[pl.ds(blk, 1), n_sl],
-                    code_gmem.at[pl.ds(split * n_iters, n_iters)], allocations=allocs)
+                    s_gmem.at[pl.ds(blk, 1), n_sl], allocations=allocs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     num_sms = sm_count()
@@ -199,7 +199,7 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
             out_smem=plgpu.SMEM((tile_m, 64), out_dtype, transforms=out_transforms),
         ),
     )
-    return f(dy, w4, scales_t, code_rows(code, n_codes))
+    return f(dy, w4, scales_t, code)
 
 
 VARIANTS = (

@@ -1,7 +1,6 @@
 """What both Hopper Mosaic GPU kernels (`matmul_4bit_mgpu`, `matmul_4bit_mgpu_t`) build their
-pipelines from: the warp-specialized TMA pipeline, the code table as a per-step block, a tile
-load that works under jax 0.10 and 0.11, the SM count, and the register hold that four compute
-warpgroups need.
+pipelines from: the warp-specialized TMA pipeline, a tile load that works under jax 0.10 and
+0.11, the SM count, and the register hold that four compute warpgroups need.
 """
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import contextlib
 import inspect
 
 import jax
-import jax.numpy as jnp
 
 # SMs of an H100 / H200: the CTA count where no GPU is attached (lowering on CPU)
 SMS = 132
@@ -18,18 +16,6 @@ SMS = 132
 def sm_count() -> int:
     """SMs of the default device, or `SMS` where there is no GPU (lowering for CUDA on CPU)."""
     return jax.devices()[0].core_count if jax.default_backend() == "gpu" else SMS
-
-
-def code_table_spec(plgpu, index_map):
-    """BlockSpec of the code table, once per pipeline step (the warp-specialized pipeline takes
-    only grid-dependent blocks) and padded to 32 floats: a 64-byte TMA destination slot left the
-    next stage's slot misaligned (CUDA_ERROR_MISALIGNED_ADDRESS, H100, session 14)."""
-    return plgpu.BlockSpec((1, 32), index_map)
-
-
-def code_rows(code, steps: int):
-    """The (16,) code table padded to 32 floats, one row per pipeline step of the kernel."""
-    return jnp.broadcast_to(jnp.pad(jnp.asarray(code, jnp.float32), (0, 16)), (steps, 32))
 
 
 # Registers a thread of each of four compute warpgroups: what 5 warpgroups (640 threads) get at
@@ -43,9 +29,9 @@ def compute_registers_held(count: int | None):
     gives its compute warpgroups at `count` (None: jax's own). jax computes
     (512 - memory registers) / compute warpgroups, which assumes the whole register file
     is free: with four compute warpgroups that is 112, while 640 threads launch with 96 a
-    thread, and 40 * 128 + 112 * 512 > 96 * 640, so `setmaxnreg.inc` cannot be granted. Four
-    compute warpgroups hung on the H100 (s15-2); tile-ai/tilelang#2406 fixed the same
-    deadlock in its own warp specialization."""
+    thread, and 40 * 128 + 112 * 512 > 96 * 640, so `setmaxnreg.inc` could not be granted
+    (tile-ai/tilelang#2406 fixed the same deadlock in its own warp specialization). The hangs
+    of s15-2 and s16-1 had a plainer cause, 3 warpgroups launched for 5 (fixed in s16)."""
     if count is None:
         yield
         return

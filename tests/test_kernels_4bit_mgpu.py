@@ -266,7 +266,7 @@ def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
 def test_compute_warpgroup_registers_fit_the_register_file(k_wgs, compute):
     """The `setmaxnreg` counts in the lowered kernel: memory warpgroup down to 40, compute
     warpgroups up to a count the launch allocation can grant (threads x launch registers,
-    65536 / threads rounded down to 8). Four compute warpgroups at jax's own 112 hung."""
+    65536 / threads rounded down to 8): jax's own 112 for four compute warpgroups cannot be."""
     from benchmarks.ttir_fingerprint import captured_mosaic_modules
 
     cfg = mm.Config(tile_m=16, tile_k=128, k_wgs=k_wgs)
