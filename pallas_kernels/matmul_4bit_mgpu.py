@@ -26,7 +26,9 @@ rejects that store) write fp32 / 16-bit tiles of y.T that XLA sums and transpose
 reaches the kernel as an int4 view of the packed bytes (an XLA bitcast, `s4[...]{E(4)}`):
 Mosaic keeps each byte whole through its relayout, and the lookup reads the high nibble as the
 even column (bitsandbytes' order). Double-quantized scales are de-nested by XLA first
-((K / blocksize, N) float32, 1/16 of the packed bytes at blocksize 64).
+((K / blocksize, N) float32, 1/16 of the packed bytes at blocksize 64), or, where a thread has
+at most 8 of a tile's scales, by the kernel itself once per tile into shared memory
+(`mgpu_decode.scale_denester`, `denests_in_kernel`).
 
 Measured (H100, session 14; benchmarks/results README): 0.66-0.88x bf16 at M = 16, 0.67-0.80
 at M = 64, 0.79-0.98 at M = 128 (dequant_dot: 1.74-2.44), 1.25-1.45 at M = 1024; at M = 2048
@@ -65,7 +67,8 @@ from jax import lax
 from pallas_kernels.dequantize_4bit import (
     check_4bit_weight, denest_absmax_reference, supports_4bit)
 from pallas_kernels.matmul_4bit import check_x, matmul_4bit_reference
-from pallas_kernels.mgpu_decode import code_loader, codes_layout, decode_fn, mosaic_modules
+from pallas_kernels.mgpu_decode import (
+    code_loader, codes_layout, decode_fn, mosaic_modules, scale_denester)
 from pallas_kernels.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMS, compute_registers_held, load_tile, sm_count, warp_specialized)
 from pallas_kernels.registry import Variant
@@ -104,23 +107,51 @@ def matmul_4bit_mgpu(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
         raise ValueError(f"{what}: x must be bfloat16 or float16 (the wgmma operand), got {x.dtype}")
     if m == 0:
         return jnp.zeros((0, n), out_dtype or x.dtype)
-    if smem_bytes(cfg, blocksize) > _SMEM_LIMIT:
-        raise ValueError(f"{what}: {cfg} needs {smem_bytes(cfg, blocksize)} bytes of shared "
+    if smem_bytes(cfg, blocksize, k) > _SMEM_LIMIT:
+        raise ValueError(f"{what}: {cfg} needs {smem_bytes(cfg, blocksize, k)} bytes of shared "
                          f"memory, more than {_SMEM_LIMIT}: lower max_concurrent_steps or tiles")
     problem = _shape_problem(m, n, k, blocksize, cfg)
     if problem:
         raise ValueError(f"matmul_4bit_mgpu: {problem}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if nested is not None:
-        absmax = denest_absmax_reference(absmax, *nested)
-    scales_t = jnp.asarray(absmax, jnp.float32).T  # (K / blocksize, N)
+    nest = None
+    if nested is not None and denests_in_kernel(n, k, blocksize, cfg):
+        nested_absmax, nested_code, offset = nested
+        scales = absmax.reshape(n, k // blocksize)  # the uint8 codes as stored
+        nest = (jnp.asarray(nested_code, jnp.float32), jnp.asarray(nested_absmax, jnp.float32),
+                jnp.reshape(offset, (1,)).astype(jnp.float32))
+    else:
+        if nested is not None:
+            absmax = denest_absmax_reference(absmax, *nested)
+        scales = jnp.asarray(absmax, jnp.float32).T  # (K / blocksize, N)
     w4 = lax.bitcast_convert_type(packed, jnp.int4).reshape(n, k)
     mp = -(-m // cfg.tile_m) * cfg.tile_m
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
-    y = _call(xp, w4, scales_t, jnp.asarray(code, jnp.float32), blocksize=blocksize, cfg=cfg)
+    y = _call(xp, w4, scales, jnp.asarray(code, jnp.float32), blocksize=blocksize, cfg=cfg,
+              nest=nest)
     if _stores_transposed(cfg):
         return y[:m].astype(out_dtype)
     return jnp.sum(y, axis=0)[:, :m].T.astype(out_dtype)  # (splits, N, M) partials of y.T
+
+
+def denests_in_kernel(n: int, k: int, blocksize: int, cfg: Config) -> bool:
+    """Whether double-quantized scales are de-nested by the kernel (`scale_denester`: each
+    compute warpgroup, once per tile, into shared memory) rather than by XLA first. Needs one
+    compute warpgroup per row group, a whole number of scales per thread, and room in shared
+    memory for the two warpgroups' (split columns, 64) fp32 scales at this config."""
+    split_cols = k // blocksize // cfg.k_splits
+    per_thread = cfg.wg_rows * split_cols // 128
+    return (cfg.k_wgs == 1 and per_thread * 128 == cfg.wg_rows * split_cols
+            and per_thread <= _DENEST_MAX_PER_THREAD
+            and smem_bytes(cfg, blocksize, k, denest=True) <= _SMEM_LIMIT)
+
+
+# scales a thread de-nests per tile, at most. Measured against XLA de-nesting first (H100,
+# s16, `benchmarks.kernel_breakdown`, whole call): 8 a thread (4096 x 4096, 4 K splits) gained
+# 1.4 us at M = 16 (12.2 -> 10.8) and 1.0 us at M = 128; 28-32 a thread (4096 x 14336,
+# 14336 x 4096) lost 0.8-2.6 us: the kernel grew by 4-5.5 us, more than the XLA fusion it
+# replaces. Why the per-tile work costs that much is not understood (not profiled).
+_DENEST_MAX_PER_THREAD = 8
 
 
 def _stores_transposed(cfg: Config) -> bool:
@@ -192,7 +223,7 @@ def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
     if _shape_problem(m, n, k, blocksize, Config(tile_m, tile_k, splits)):
         tile_k = 64
     cfg = Config(tile_m=tile_m, tile_k=tile_k, k_splits=splits)
-    while cfg.max_concurrent_steps > 2 and smem_bytes(cfg, blocksize) > _SMEM_LIMIT:
+    while cfg.max_concurrent_steps > 2 and smem_bytes(cfg, blocksize, k) > _SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
     return cfg
 
@@ -200,17 +231,20 @@ def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
 _SMEM_LIMIT = 232448 - 1088  # an H100/H200 block's shared memory, less barriers (64 to 1072 B seen)
 
 
-def smem_bytes(cfg: Config, blocksize: int) -> int:
+def smem_bytes(cfg: Config, blocksize: int, k: int = 0, *, denest: bool = False) -> int:
     """Shared memory the kernel allocates: each input's pipeline buffer (all stages of the
-    int4 weight, x, scale and code tiles) and the epilogue's two slots per compute warpgroup
-    (fp32 when K is split), each rounded up to Mosaic's 1024-byte alignment. Matches what
+    int4 weight, x and scale tiles), the epilogue's two slots per compute warpgroup (fp32 when
+    K is split), and with `denest` the compute warpgroups' de-nested scales of a K split
+    instead of scale tiles, each rounded up to Mosaic's 1024-byte alignment. Matches what
     Mosaic reported for tile_m = 128, tile_k = 128, 2 splits (232,512 bytes with barriers)."""
     up = lambda b: -(-b // 1024) * 1024
     cta_n = 2 * cfg.wg_rows
     scale_rows = max(1, cfg.tile_k // blocksize)
-    tiles = (cta_n * cfg.tile_k // 2, cfg.tile_m * cfg.tile_k * 2, scale_rows * cta_n * 4)
+    tiles = (cta_n * cfg.tile_k // 2, cfg.tile_m * cfg.tile_k * 2)
+    scales = (up(cta_n * (k // blocksize // cfg.k_splits) * 4) if denest
+              else up(cfg.max_concurrent_steps * scale_rows * cta_n * 4))
     out_bytes = 4 if _partials(cfg) > 1 else 2
-    return (sum(up(cfg.max_concurrent_steps * t) for t in tiles)
+    return (sum(up(cfg.max_concurrent_steps * t) for t in tiles) + scales
             + up(2 * cfg.k_wgs * _epilogue_slots(cfg) * cfg.wg_rows * min(64, cfg.tile_m)
                  * out_bytes))
 
@@ -236,7 +270,10 @@ def available() -> bool:
     return all(hasattr(plgpu, name) for name in ("inline_mgpu", "emit_pipeline_warp_specialized"))
 
 
-def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
+def _call(x, w4, scales, code, *, blocksize: int, cfg: Config, nest=None):
+    """The kernel. `scales`: fp32 (K / blocksize, N), or with `nest` = (nested_code,
+    nested_absmax, offset (1,)) the uint8 scale codes (N, K / blocksize), de-nested by the
+    kernel once per tile."""
     _, pl, plgpu, *_ = mosaic_modules()
     m, k = x.shape
     n = w4.shape[0]
@@ -272,6 +309,9 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
     )(decode_fn(dtype, kb, rows, blocksize))
     load_codes = code_loader(plgpu)
 
+    split_cols = k_per // blocksize  # scale columns of a K split
+    step_col = lambda kk: kk * tile_k // blocksize  # a step's first scale column in its split
+    denest = scale_denester(plgpu, rows, k // blocksize, split_cols) if nest else None
     if blocksize <= tile_k:
         scale_spec = plgpu.BlockSpec((scale_rows, cta_n), lambda kk: (kk, 0))
     else:  # one scale block spans several steps
@@ -283,11 +323,14 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
         in_specs=[
             plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=w_transforms),
             plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=x_transforms),
-            scale_spec,
+            *([] if nest else [scale_spec]),
         ])
 
-    def matmul_4bit_mgpu_kernel(x_gmem, w_gmem, s_gmem, code_gmem, out_gmem, out_smem):
-        @functools.partial(pl.run_scoped, allocs=allocate(w_gmem, x_gmem, s_gmem),
+    def matmul_4bit_mgpu_kernel(x_gmem, w_gmem, s_gmem, code_gmem, *rest, out_smem,
+                                scale_smem=None):
+        *nest_gmem, out_gmem = rest
+        @functools.partial(pl.run_scoped,
+                           allocs=allocate(w_gmem, x_gmem, *([] if nest else [s_gmem])),
                            collective_axes="wg")
         def _scope(allocs):
             wg = lax.axis_index("wg")
@@ -312,6 +355,10 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                     @functools.partial(pl.run_scoped,
                                        acc=plgpu.ACC((rows, tile_m), acc_dtype))
                     def _acc(acc):
+                        if nest:  # this warpgroup's scales of the tile, into scale_smem[wg]
+                            first_row = ni * cta_n + wg * rows
+                            denest(s_gmem.at[pl.ds(first_row, rows), s_sl], *nest_gmem,
+                                   scale_smem.at[wg])
                         run((acc, load_codes(code_gmem)))  # the table rides in registers
                         res = acc[...].astype(out_dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -332,17 +379,23 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(slot, dst.at[:, e_sl])
 
-                def body(_, w_smem, x_smem, s_smem, carry):
-                    acc, codes = carry
+                def body(indices, w_smem, x_smem, *rest):
+                    *s_smem, (acc, codes) = rest
+                    if nest:  # the step's columns of the de-nested scales (k_wgs = 1)
+                        (kk,) = indices
+                        s_wg = scale_smem.at[wg, pl.ds(step_col(kk), scale_rows)]
+                    else:
+                        s_wg = s_smem[0]
                     if cfg.k_wgs > 1:  # this warpgroup's columns of the step
                         half = wg // 2
                         w_smem = w_smem.at[:, pl.ds(half * wg_k, wg_k)]
                         x_smem = x_smem.at[:, pl.ds(half * wg_k, wg_k)]
                         if blocksize <= wg_k:
-                            s_smem = s_smem.at[pl.ds(half * (wg_k // blocksize),
-                                                     wg_k // blocksize)]
+                            s_wg = s_wg.at[pl.ds(half * (wg_k // blocksize), wg_k // blocksize)]
+                    if not nest:
+                        s_wg = s_wg.at[:, wg_rows]
                     w = load_tile(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
-                    a = decode(w, s_smem.at[:, wg_rows], codes)
+                    a = decode(w, s_wg, codes)
                     plgpu.wgmma(acc, a, x_smem.T)
                     # wait(1) with slots released a step late (decode of step k + 1 under
                     # this warpgroup's own MMA k) gave NaN on the H100 (s14-6): the A
@@ -351,8 +404,8 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
                     return acc, codes
 
                 pipeline(body, ctx)(
-                    w_gmem.at[n_sl, k_sl], x_gmem.at[m_sl, k_sl], s_gmem.at[s_sl, n_sl],
-                    allocations=allocs)
+                    w_gmem.at[n_sl, k_sl], x_gmem.at[m_sl, k_sl],
+                    *([] if nest else [s_gmem.at[s_sl, n_sl]]), allocations=allocs)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     num_sms = sm_count()
@@ -369,10 +422,11 @@ def _call(x, w4, scales_t, code, *, blocksize: int, cfg: Config):
         scratch_types=dict(
             out_smem=plgpu.SMEM((2 * cfg.k_wgs, slots, *slot_tile), out_dtype,
                                 transforms=out_transforms),
+            **({"scale_smem": plgpu.SMEM((2, split_cols, rows), jnp.float32)} if nest else {}),
         ),
     )
     with compute_registers_held(FOUR_WG_REGISTERS if cfg.k_wgs == 2 else None):
-        return f(x, w4, scales_t, code)
+        return f(x, w4, scales, code, *(nest or ()))
 
 
 def supports(m, n, k, blocksize):

@@ -158,6 +158,59 @@ def code_loader(plgpu):
     )(load)
 
 
+# bitsandbytes' de-nesting of one scale, nested_code[c] * nested_absmax[g] + offset, rounded
+# after the product and after the sum (no fused multiply-add: `.rn` forbids contraction)
+DENEST_PTX = "\n".join(["{", ".reg .f32 t;", "mul.rn.f32 t, $1, $2;", "add.rn.f32 t, t, $3;",
+                        "mov.b32 $0, t;", "}"])
+
+
+def scale_denester(plgpu, rows: int, cols: int, split_cols: int):
+    """Pallas function run by a compute warpgroup at the start of each tile: de-nest the fp32
+    scales of its `rows` weight rows and its K split's `split_cols` scale columns into shared
+    memory, (split_cols, rows) as the decode reads them. Arguments: the uint8 scale codes (a
+    (rows, split_cols) window of the (N, cols) array in global memory), nested_code (256,),
+    nested_absmax, offset (1,), and the shared (split_cols, rows) f32 destination.
+
+    Why: de-nesting in XLA first costs a transpose fusion per call (1.4-3.1 us at M = 16, H100,
+    s16) and 4x the scale bytes in the kernel; de-nesting inside each step's decode put two
+    dependent global loads in every step (+4.6 us, s16, not kept). Here the loads are
+    independent, coalesced, once per tile, and the steps read shared memory as before. It pays
+    only with few scales a thread (`matmul_4bit_mgpu.denests_in_kernel`). Each scale's nested
+    group is its flat index in the (N, cols) codes / 256: the window's memref offset is the
+    first."""
+    _, _, _, ir, arith, memref, fa, mu = mosaic_modules()
+    per_thread = rows * split_cols // 128
+    assert per_thread * 128 == rows * split_cols, (rows, split_cols)
+
+    def denest(ctx, codes_ref, nested_code_ref, nested_absmax_ref, offset_ref, dst_ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        f32 = ir.F32Type.get()
+        idx = ir.IndexType.get()
+        ci = lambda v: arith.constant(idx, v)
+        mu.warpgroup_barrier()  # the previous tile's decodes have read dst
+        tid = arith.index_cast(idx, arith.remui(mu.thread_idx(), arith.constant(i32, 128)))
+        first = memref.extract_strided_metadata(codes_ref)[1]  # flat index of the window
+        offset = memref.load(offset_ref, [ci(0)])
+        rc = [(arith.divui(e, ci(split_cols)), arith.remui(e, ci(split_cols)))
+              for e in (arith.addi(tid, ci(128 * i)) for i in range(per_thread))]
+        # all loads before the first store, so none waits behind a store (measured no faster
+        # than one scale at a time, s16)
+        codes = [arith.index_cast(idx, arith.extui(i32, memref.load(codes_ref, [r, c])))
+                 for r, c in rc]
+        groups = [arith.divui(arith.addi(first, arith.addi(arith.muli(r, ci(cols)), c)),
+                              ci(256)) for r, c in rc]  # bitsandbytes nests 256 scales a group
+        nabs = [memref.load(nested_absmax_ref, [g]) for g in groups]
+        ncode = [memref.load(nested_code_ref, [code]) for code in codes]
+        for (r, c), nc, na in zip(rc, ncode, nabs):
+            value = arith.bitcast(f32, inline_asm(DENEST_PTX, (nc, na, offset), 1)[0])
+            memref.store(value, dst_ref, [c, r])
+        mu.warpgroup_barrier()  # every thread's scales are written before any decode reads them
+
+    return plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),) * 5, return_type=None)(denest)
+
+
 def decode_fn(dtype, kb: int, rows: int, blocksize: int):
     """Mosaic GPU (lane-level) function: int4 (rows, 64 * kb) tile in WGMMA_LAYOUT_UPCAST_4X,
     the f32 scale ref (kb, rows) and the thread's codes (`code_loader`) -> the decoded

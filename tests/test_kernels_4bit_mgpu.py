@@ -61,6 +61,8 @@ def _run_ptx(ptx: str, operands: dict[int, np.ndarray], n_out: int) -> list[np.n
         dst, *src = [a.strip() for a in args.split(",")]
         if op == "mul.rn.f32":
             regs[dst] = u32(f32(val(src[0])) * f32(val(src[1])))
+        elif op == "add.rn.f32":
+            regs[dst] = u32(f32(val(src[0])) + f32(val(src[1])))
         elif op.startswith("cvt.rn.") and op.endswith("x2.f32"):
             dt = {"bf16x2": jnp.bfloat16, "f16x2": jnp.float16}[op.split(".")[2]]
             half = lambda a: np.asarray(jnp.asarray(f32(a)).astype(dt).view(jnp.uint16),
@@ -165,6 +167,58 @@ def test_decode_reproduces_bitsandbytes_weight(dtype):
     halves = np.stack([got & 0xFFFF, got >> 16], axis=-1).reshape(n, k).astype(np.uint16)
     want = np.asarray(quant.dequantize(q, DTYPES[dtype]).view(jnp.uint16))
     np.testing.assert_array_equal(halves, want)
+
+
+@pytest.mark.parametrize("k,k_splits", [(3072, 1), (3072, 3), (14336, 4), (256, 2)])
+def test_scale_denester_gives_bitsandbytes_scales(k, k_splits):
+    """`scale_denester` as the kernel runs it: per warpgroup (64 rows) and K split, thread t
+    takes elements t + 128 i of the (64, split columns) window, looks up nested_code[code] and
+    the nested absmax of group (window offset + r * cols + c) // 256, and runs `DENEST_PTX`:
+    bit for bit bitsandbytes' fp32 scales, laid out (split columns, rows); also where groups
+    of 256 scales straddle rows (K / 64 = 48, 224) and splits (56 columns a split)."""
+    n, bs, rows = 256, 64, 64
+    w = jax.random.normal(jax.random.key(k + k_splits), (n, k), jnp.float32) * 0.05
+    q = quant.quantize_4bit(w, "nf4", bs, True)
+    cols = k // bs
+    per = cols // k_splits
+    codes = np.asarray(q.absmax).reshape(n, cols)
+    nabs, ncode = np.asarray(q.nested_absmax), np.asarray(q.nested_code)
+    offset = np.full(128, np.float32(q.offset)).view(np.uint32)
+    got = np.zeros((n, cols), np.float32)
+    tid = np.arange(128)
+    for row0 in range(0, n, rows):
+        for split in range(k_splits):
+            first = row0 * cols + split * per  # the window's memref offset
+            dst = np.zeros((per, rows), np.float32)
+            for i in range(rows * per // 128):
+                e = tid + 128 * i
+                r, c = e // per, e % per
+                code = codes[row0 + r, split * per + c]
+                group = (first + r * cols + c) // 256
+                ops_ = {1: ncode[code].view(np.uint32), 2: nabs[group].view(np.uint32), 3: offset}
+                dst[c, r] = _run_ptx(md.DENEST_PTX, ops_, 1)[0].view(np.float32)
+            got[row0:row0 + rows, split * per:(split + 1) * per] = dst.T
+    want = np.asarray(quant.absmax_f32(q)).reshape(n, cols)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_scales_denested_in_kernel_where_it_paid():
+    """The kernel de-nests where each thread gets whole scales, at most 8 of them (where it
+    measured faster than XLA de-nesting first, s16), and the two warpgroups' fp32 scales of a K
+    split fit in shared memory beside the pipeline; elsewhere XLA de-nests."""
+    dc = mm.default_config
+    for m in (1, 16, 128):  # the protocol's shapes at small M: 4096 x 4096 only (4 K splits)
+        assert mm.denests_in_kernel(4096, 4096, 64, dc(m, 4096, 4096, 64)), m
+        for n, k in ((14336, 4096), (4096, 14336)):  # 32 and 28 scales a thread: slower
+            assert not mm.denests_in_kernel(n, k, 64, dc(m, n, k, 64)), (m, n, k)
+    assert mm.denests_in_kernel(256, 1024, 64, mm.Config(tile_m=16, tile_k=128))
+    assert not mm.denests_in_kernel(256, 64, 64, mm.Config(tile_m=16, tile_k=64))  # 1 col: 64
+    assert not mm.denests_in_kernel(256, 1024, 64, mm.Config(tile_m=16, tile_k=128, k_wgs=2))
+    # the de-nested scales (2 warpgroups x split columns x 64 rows, fp32) replace the
+    # pipeline's scale tiles in the shared-memory count
+    cfg = mm.Config(tile_m=16, tile_k=128, k_splits=4)
+    assert (mm.smem_bytes(cfg, 64, 4096, denest=True) - mm.smem_bytes(cfg, 64, 4096)
+            == 2 * 16 * 64 * 4 - 4 * 2 * 128 * 4)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -294,7 +348,7 @@ def test_mosaic_module_fingerprints():
     from benchmarks.ttir_fingerprint import fingerprints, fingerprints_t
 
     one = fingerprints(mm.matmul_4bit_mgpu, 128, dict(config=mm.Config(tile_m=128)))
-    assert len(one) == 2 and one[0] == one[1]  # scales de-nested by XLA / fp32: same kernel
+    assert len(one) == 2 and one[0] != one[1]  # scales de-nested by the kernel / fp32 scales
     assert fingerprints(mm.matmul_4bit_mgpu, 128, dict(config=mm.Config(tile_m=128))) == one
     other = fingerprints(mm.matmul_4bit_mgpu, 128, dict(config=mm.Config(tile_m=64)))
     assert set(other).isdisjoint(one)
@@ -355,6 +409,23 @@ def test_identity_product_gives_bitsandbytes_weight(dtype, cfg):
     y = mm.matmul_4bit_mgpu(eye, *args, blocksize=64, nested=nest, config=cfg)
     np.testing.assert_array_equal(np.asarray(y.T.view(jnp.uint16)),
                                   np.asarray(quant.dequantize(q, DTYPES[dtype]).view(jnp.uint16)))
+
+
+@gpu
+@pytest.mark.parametrize("n,k,cfg", [
+    (256, 3072, mm.Config(tile_m=64, tile_k=128, k_splits=3)),
+    (128, 14336, mm.Config(tile_m=64, tile_k=128, k_splits=14)),
+    (256, 4096, mm.Config(tile_m=128, tile_k=64, k_splits=4)),
+])
+def test_identity_product_with_scales_denested_in_kernel(n, k, cfg):
+    """As above on shapes where groups of 256 scales straddle rows (K / 64 = 48, 224), with K
+    splits, and with one scale column a step: the kernel's own de-nesting, bit for bit."""
+    assert mm.denests_in_kernel(n, k, 64, cfg)
+    q, args, nest = _quantized(n, k, 64, seed=5)
+    y = mm.matmul_4bit_mgpu(jnp.eye(k, dtype=jnp.bfloat16), *args, blocksize=64, nested=nest,
+                            config=cfg)
+    np.testing.assert_array_equal(np.asarray(y.T.view(jnp.uint16)),
+                                  np.asarray(quant.dequantize(q, jnp.bfloat16).view(jnp.uint16)))
 
 
 @gpu
