@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs, in as few device calls as possible (device time is scarce).
-#   bash benchmarks/gpu_session.sh tests   # compiled-kernel correctness suite (~3-4 min)
+#   bash benchmarks/gpu_session.sh tests   # compiled-kernel correctness suite (~7 min, s16)
 #   bash benchmarks/gpu_session.sh bench   # benchmark tables + dequant + memory proof (~9 min;
 #                                          # TAG=_x names the result files <gpu>-<date>_x.*)
 #   bash benchmarks/gpu_session.sh bench-small  # the same protocol in two calls with torch and
@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/site:$PWD JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 case "${1:-tests}" in
   tests)
     # Several workers share the GPU (compiles are CPU-bound): no preallocation per process.
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \
       --tb=short -rf tests/test_ops.py tests/test_kernels_4bit.py \
       tests/test_kernels_4bit_decoded_dot.py tests/test_kernels_4bit_mgpu.py tests/test_kernels_int8.py \
       tests/test_models.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
