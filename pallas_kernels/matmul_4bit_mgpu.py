@@ -149,7 +149,7 @@ def denests_in_kernel(n: int, k: int, blocksize: int, cfg: Config) -> bool:
 # scales a thread de-nests per tile, at most. Measured against XLA de-nesting first (H100,
 # s16, `benchmarks.kernel_breakdown`, whole call): 8 a thread (4096 x 4096, 4 K splits) gained
 # 1.4 us at M = 16 (12.2 -> 10.8) and 1.0 us at M = 128; 28-32 a thread (4096 x 14336,
-# 14336 x 4096) lost 0.8-2.6 us: the kernel grew by 4-5.5 us, more than the XLA fusion it
+# 14336 x 4096) lost 0.8-3.8 us: the kernel grew by 4.2-6.8 us, more than the XLA fusion it
 # replaces. Why the per-tile work costs that much is not understood (not profiled).
 _DENEST_MAX_PER_THREAD = 8
 
