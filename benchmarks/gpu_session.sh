@@ -25,7 +25,7 @@ case "${1:-tests}" in
     timeout 570 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 270 \
       --tag "${TAG:-}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  M=" | tail -20 ;;
   bench-small|bench-large)
-    # the protocol in two calls, each meant to fit a 10-minute call (untested as a whole), torch
+    # the protocol in two calls, each within a 10-minute call (s16: 449-492 s and 123 s), torch
     # and bitsandbytes included:
     # M = 1, 16, 128 with dequant and the memory proof, then M = 2048, 8192 (no variant sweep;
     # matmul cells started after 360 s are skipped so that torch and the files still come out;

@@ -48,7 +48,7 @@ and 47% of issue slots busy, but execute 7.0 instructions per weight and are no 
 (M = 16: 0.905 / 0.676 / 0.668 x bf16 against the default's 0.888 / 0.671 / 0.670). The ALU pipe
 is the busiest: 46% of elapsed cycles (66% of the cycles the SMs are active), 51% with k_wgs = 2.
 Both kernels keep the 16-entry code table in registers, loaded once per tile
-(`mgpu_decode.code_loader`): -1.1 to -2.1 us a call against a per-step block (s16).
+(`mgpu_decode.code_loader`): -0.5 to -2.4 us a call against a per-step block (s16).
 
 Hopper only (sm_90), no interpret mode. CPU checks: the two PTX programs run in a PTX
 interpreter in the tests (`tests/test_kernels_4bit_mgpu.py`), `mgpu_decode.emulate_lookup_words`
@@ -107,8 +107,8 @@ def matmul_4bit_mgpu(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
         raise ValueError(f"{what}: x must be bfloat16 or float16 (the wgmma operand), got {x.dtype}")
     if m == 0:
         return jnp.zeros((0, n), out_dtype or x.dtype)
-    if smem_bytes(cfg, blocksize, k) > _SMEM_LIMIT:
-        raise ValueError(f"{what}: {cfg} needs {smem_bytes(cfg, blocksize, k)} bytes of shared "
+    if smem_bytes(cfg, blocksize) > _SMEM_LIMIT:
+        raise ValueError(f"{what}: {cfg} needs {smem_bytes(cfg, blocksize)} bytes of shared "
                          f"memory, more than {_SMEM_LIMIT}: lower max_concurrent_steps or tiles")
     problem = _shape_problem(m, n, k, blocksize, cfg)
     if problem:
@@ -143,7 +143,7 @@ def denests_in_kernel(n: int, k: int, blocksize: int, cfg: Config) -> bool:
     per_thread = cfg.wg_rows * split_cols // 128
     return (cfg.k_wgs == 1 and per_thread * 128 == cfg.wg_rows * split_cols
             and per_thread <= _DENEST_MAX_PER_THREAD
-            and smem_bytes(cfg, blocksize, k, denest=True) <= _SMEM_LIMIT)
+            and smem_bytes(cfg, blocksize, denest_k=k) <= _SMEM_LIMIT)
 
 
 # scales a thread de-nests per tile, at most. Measured against XLA de-nesting first (H100,
@@ -223,7 +223,7 @@ def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
     if _shape_problem(m, n, k, blocksize, Config(tile_m, tile_k, splits)):
         tile_k = 64
     cfg = Config(tile_m=tile_m, tile_k=tile_k, k_splits=splits)
-    while cfg.max_concurrent_steps > 2 and smem_bytes(cfg, blocksize, k) > _SMEM_LIMIT:
+    while cfg.max_concurrent_steps > 2 and smem_bytes(cfg, blocksize) > _SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
     return cfg
 
@@ -231,17 +231,17 @@ def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
 _SMEM_LIMIT = 232448 - 1088  # an H100/H200 block's shared memory, less barriers (64 to 1072 B seen)
 
 
-def smem_bytes(cfg: Config, blocksize: int, k: int = 0, *, denest: bool = False) -> int:
+def smem_bytes(cfg: Config, blocksize: int, *, denest_k: int = 0) -> int:
     """Shared memory the kernel allocates: each input's pipeline buffer (all stages of the
     int4 weight, x and scale tiles), the epilogue's two slots per compute warpgroup (fp32 when
-    K is split), and with `denest` the compute warpgroups' de-nested scales of a K split
-    instead of scale tiles, each rounded up to Mosaic's 1024-byte alignment. Matches what
+    K is split), and with `denest_k` (the weight's K) the compute warpgroups' de-nested scales
+    of a K split instead of scale tiles, each rounded up to Mosaic's 1024-byte alignment. Matches what
     Mosaic reported for tile_m = 128, tile_k = 128, 2 splits (232,512 bytes with barriers)."""
     up = lambda b: -(-b // 1024) * 1024
     cta_n = 2 * cfg.wg_rows
     scale_rows = max(1, cfg.tile_k // blocksize)
     tiles = (cta_n * cfg.tile_k // 2, cfg.tile_m * cfg.tile_k * 2)
-    scales = (up(cta_n * (k // blocksize // cfg.k_splits) * 4) if denest
+    scales = (up(cta_n * (denest_k // blocksize // cfg.k_splits) * 4) if denest_k
               else up(cfg.max_concurrent_steps * scale_rows * cta_n * 4))
     out_bytes = 4 if _partials(cfg) > 1 else 2
     return (sum(up(cfg.max_concurrent_steps * t) for t in tiles) + scales

@@ -4,7 +4,9 @@ per-row tables of round(code * absmax) and a byte-permute lookup that turns each
 
 Here: the two PTX programs (`_LOOKUP_PROGRAM` run through `nibble_lookup.program_ptx`, and
 `table_ptx`), their jnp twins (`emulate_lookup_words`, `emulate_table_words`) that the CPU tests
-check them against, and `decode_fn`, the lane-level Mosaic function both kernels call.
+check them against, `decode_fn`, the lane-level Mosaic function both kernels call, the per-tile
+loads it works from (`code_loader`: the code table into registers; `scale_denester`: scales
+de-nested into shared memory, forward kernel only) and `DENEST_PTX`.
 """
 from __future__ import annotations
 
@@ -92,7 +94,6 @@ def emulate_table_words(absmax, code, dtype):
     return words.reshape(*words.shape[:-2], 8)
 
 
-
 # --------------------------------------------------------------------------- Mosaic GPU pieces
 def mosaic_modules():
     """The Mosaic GPU modules, imported on first use (CPU-only jax versions may lack them)."""
@@ -120,13 +121,13 @@ def inline_asm(ptx: str, args, n_out: int, *, convergent: bool = False):
     return [llvm.extractvalue(i32, res, [i]) for i in range(n_out)]
 
 
-
 # The code table as each thread holds it (`code_loader`, `decode_fn`): codes 4q .. 4q + 3 of the
 # quad lane q, one vector of 4 floats a thread, as a (512,) array in a strided layout.
 CODES_SHAPE = (512,)
 
 
 def codes_layout(plgpu):
+    """The Pallas layout of `code_loader`'s array."""
     return plgpu.Layout.WG_STRIDED(CODES_SHAPE, vec_size=4)
 
 
@@ -269,4 +270,3 @@ def decode_fn(dtype, kb: int, rows: int, blocksize: int):
         return fa.FragmentedArray(_registers=new_regs, _layout=out_layout, _is_signed=None)
 
     return decode
-

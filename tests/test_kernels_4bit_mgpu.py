@@ -217,7 +217,7 @@ def test_scales_denested_in_kernel_where_it_paid():
     # the de-nested scales (2 warpgroups x split columns x 64 rows, fp32) replace the
     # pipeline's scale tiles in the shared-memory count
     cfg = mm.Config(tile_m=16, tile_k=128, k_splits=4)
-    assert (mm.smem_bytes(cfg, 64, 4096, denest=True) - mm.smem_bytes(cfg, 64, 4096)
+    assert (mm.smem_bytes(cfg, 64, denest_k=4096) - mm.smem_bytes(cfg, 64)
             == 2 * 16 * 64 * 4 - 4 * 2 * 128 * 4)
 
 
