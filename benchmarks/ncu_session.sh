@@ -22,6 +22,7 @@ for case in "$@"; do
   tag=$(echo "$case" | tr ' =,' '_-_')
   regex=matmul_4bit_mgpu_kernel
   [ "$mode" = mgpu_t ] && regex=matmul_4bit_mgpu_t_kernel
+  [ "$mode" = mgpu_gemv ] && regex=matmul_4bit_mgpu_gemv_kernel
   [ "$mode" = dense ] && regex=.
   rep=/tmp/ncu_$tag
   timeout 240 $NCU --clock-control none -k regex:$regex --launch-skip 2 --launch-count 1 \

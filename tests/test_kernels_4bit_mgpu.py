@@ -363,8 +363,9 @@ def test_auto_picks_the_mosaic_kernel_on_hopper(monkeypatch):
     w = jax.random.normal(jax.random.key(0), (256, 512)) * 0.1
     q = quant.quantize_4bit(w, "nf4", 64, True)
     plan = lambda m, dtype="bfloat16": backends.choose_plan(q, m, "auto", dtype=dtype)
-    assert plan(1) == plan(2) == backends.Plan("pallas", "gemv_block_scaled",
+    assert plan(1) == plan(2) == backends.Plan("pallas", "mgpu_gemv_pair_table",
                                                "mgpu_decoded_wgmma_t")
+    assert plan(1, "float32").fwd == "gemv_block_scaled"  # the Hopper GEMV takes 16-bit x
     for m in (3, 16, 64, 65, 128):
         assert plan(m) == backends.Plan("pallas", "mgpu_decoded_wgmma", "mgpu_decoded_wgmma_t")
         assert plan(m, "float16").fwd == "mgpu_decoded_wgmma"

@@ -55,6 +55,11 @@ MGPU_MAX_M_4BIT = 1024
 # 1.52 against dequant_dot_t's 1.81 / 2.44 / 2.36; M = 128 1.50 / 1.50 / 1.83 against 1.74 /
 # 2.24 / 2.46. At M = 256 dequant_dot_t is ahead (1.73-2.21 against 2.17-2.98).
 MGPU_T_MAX_M_4BIT = 128
+# 4-bit on Hopper with 16-bit x, M <= GEMV_MAX_M_4BIT: the Mosaic GPU pair-table GEMV
+# (mgpu_gemv_pair_table: one conflict-free shared-memory load gives a byte's two fp32 codes).
+# H100, session 17, s17-4 (results/..._s17_mgpu_gemv_*.json; ratios to bf16 at 4096x4096 /
+# 4096x14336 / 14336x4096, same run): M = 1 0.647 / 0.488 / 0.448 against the Triton GEMV's
+# 0.696 / 0.632 / 0.623; M = 2 0.710 / 0.495 / 0.489 against 0.933 / 0.726 / 0.749.
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
@@ -69,6 +74,7 @@ DEFAULT_4BIT_FWD_GEMV = "gemv_block_scaled"
 DEFAULT_4BIT_FWD_BLOCK_DOT = "block_scaled_dot_prmt"
 DEFAULT_4BIT_FWD_DECODED_DOT = "decoded_dot_prmt"
 DEFAULT_4BIT_FWD_MGPU = "mgpu_decoded_wgmma"
+DEFAULT_4BIT_FWD_MGPU_GEMV = "mgpu_gemv_pair_table"
 DEFAULT_4BIT_BWD_MGPU = "mgpu_decoded_wgmma_t"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
@@ -122,15 +128,17 @@ def _kernel_shape_problem(q) -> str | None:
     return None
 
 
-def _mgpu_fits(q: Weight4bit, m: int, dtype, backward: bool = False) -> bool:
+def _mgpu_fits(q: Weight4bit, m: int, dtype, backward: bool = False, gemv: bool = False) -> bool:
     """Whether the Mosaic GPU kernels take this product: Hopper, 16-bit operands, their shapes,
     and M in the range where they measured faster."""
-    from pallas_kernels import matmul_4bit_mgpu, matmul_4bit_mgpu_t
+    from pallas_kernels import matmul_4bit_mgpu, matmul_4bit_mgpu_gemv, matmul_4bit_mgpu_t
 
     n, k, bs = q.shape[0], q.shape[1], q.blocksize
     if dtype not in ("bfloat16", "float16"):
         return False
-    if backward:
+    if gemv:
+        fits = m <= GEMV_MAX_M_4BIT and matmul_4bit_mgpu_gemv.supports(m, n, k, bs)
+    elif backward:
         fits = m <= MGPU_T_MAX_M_4BIT and matmul_4bit_mgpu_t.supports_t(m, n, k, bs)
     else:
         fits = GEMV_MAX_M_4BIT < m <= MGPU_MAX_M_4BIT and matmul_4bit_mgpu.supports(m, n, k, bs)
@@ -142,6 +150,8 @@ def _variants_for(q, m: int, numerics: str, dtype: str | None) -> tuple[str, str
         fwd, bwd = _variants_4bit(m)
         if _mgpu_fits(q, m, dtype):
             fwd = DEFAULT_4BIT_FWD_MGPU
+        elif _mgpu_fits(q, m, dtype, gemv=True):
+            fwd = DEFAULT_4BIT_FWD_MGPU_GEMV
         if _mgpu_fits(q, m, dtype, backward=True):
             bwd = DEFAULT_4BIT_BWD_MGPU
         return fwd, bwd
@@ -195,7 +205,7 @@ def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics
     if variant is not None:
         fwd = variant
     _check_variant(fwd, q, m)
-    if fwd in (DEFAULT_4BIT_FWD_MGPU, DEFAULT_4BIT_BWD_MGPU) and (
+    if fwd in (DEFAULT_4BIT_FWD_MGPU, DEFAULT_4BIT_FWD_MGPU_GEMV, DEFAULT_4BIT_BWD_MGPU) and (
             backend == "interpret" or not mgpu_available()):
         raise BackendError(f"kernel variant {fwd!r} runs on a Hopper GPU only (Mosaic GPU, "
                            "inline PTX; no interpret mode)")

@@ -1,0 +1,136 @@
+"""The Hopper pair-table GEMV (`matmul_4bit_mgpu_gemv`) over configs, against the bf16 GEMV and
+the Triton GEMV `auto` runs at M <= 2, same run; plus its correctness checks.
+
+    python -m benchmarks.mgpu_gemv_probe check            # errors vs the fp32 reference
+    python -m benchmarks.mgpu_gemv_probe time --ms 1,2    # one JSON line per (shape, M)
+        [--shapes 4096:4096,...] [--configs "default;k_splits=4;stages=3"]
+
+NF4 blocksize 64 with double quant, bf16 x; device time per product with the weight streamed
+from HBM and distinct x per product (benchmarks/timing.py). Rows go to
+$OUT/mgpu_gemv_probe_<part>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.sweep_setup import bf16_us, nf4_weight_copies, record_row, write_rows
+from benchmarks.timing import distinct_copies, us_per_product
+from jqlora import ops, quant
+from pallas_kernels import matmul_4bit_mgpu_gemv as mg
+from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
+
+SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
+CONFIGS = ("default", "stages=3")
+
+
+def _config(text: str, m: int, n: int, k: int) -> mg.GemvConfig:
+    """"default" -> default_config; "k_splits=4,stages=3" -> the default with those fields
+    (stages lowered until it fits shared memory, unless given)."""
+    fields = {a: int(b) for a, b in (kv.split("=") for kv in text.split(",")
+                                      if kv and kv != "default")}
+    cfg = dataclasses.replace(mg.default_config(m, n, k, 64), **fields)
+    while "stages" not in fields and cfg.stages > 2 and mg.smem_bytes(m, k, 64, cfg) > mg._SMEM_LIMIT:
+        cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
+    return cfg
+
+
+def _operands(q):
+    n, k = q.shape
+    return (q.packed.reshape(n, k // 2), q.absmax.reshape(n, k // q.blocksize), q.code,
+            (q.nested_absmax, q.nested_code, q.offset))
+
+
+def _gemv(x, q, cfg, out_dtype=None):
+    packed, codes, code, nested = _operands(q)
+    return mg.matmul_4bit_mgpu_gemv(x, packed, codes, code, blocksize=q.blocksize,
+                                    nested=nested, config=cfg, out_dtype=out_dtype)
+
+
+def check(out: list) -> None:
+    """fp32 outputs against the fp32 reference (the same sums in another order: ~1e-6), and
+    the bf16 output against the Triton GEMV's."""
+    for (m, n, k, bs, qt, nested, dt, cfg_text) in (
+            (1, 256, 512, 64, "nf4", True, jnp.bfloat16, "default"),
+            (2, 512, 1024, 64, "fp4", False, jnp.float16, "default"),
+            (1, 256, 1024, 128, "nf4", True, jnp.bfloat16, "k_splits=2"),
+            (2, 256, 2048, 512, "nf4", True, jnp.bfloat16, "k_splits=4,stages=2"),
+            (1, 4096, 4096, 64, "nf4", True, jnp.bfloat16, "default"),
+            (2, 14336, 4096, 64, "nf4", True, jnp.bfloat16, "default"),
+            (1, 4096, 14336, 64, "nf4", True, jnp.float16, "k_splits=1,stages=3")):
+        kx, kw = jax.random.split(jax.random.key(m + k + n))
+        w = jax.random.normal(kw, (n, k), jnp.float32) * 0.05
+        q = quant.quantize_4bit(w, qt, bs, nested)
+        x = jax.random.normal(kx, (m, k), jnp.float32).astype(dt)
+        rec = dict(part="check", m=m, k=k, n=n, blocksize=bs, quant_type=qt, nested=nested,
+                   dtype=jnp.dtype(dt).name, config=cfg_text)
+        try:
+            cfg = _config(cfg_text, m, n, k)
+            packed, codes, code, nest = _operands(q)
+            nest = nest if nested else None
+            absmax = quant.absmax_f32(q).reshape(n, k // bs)
+            got = jax.jit(lambda x: mg.matmul_4bit_mgpu_gemv(
+                x, packed, codes if nested else absmax, code, blocksize=bs, nested=nest,
+                config=cfg, out_dtype=jnp.float32))(x)
+            ref = matmul_4bit_gemv_reference(x, packed, absmax, code, blocksize=bs,
+                                             out_dtype=jnp.float32)
+            rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+            rec.update(rel_fp32_vs_ref=rel(got, ref), max_abs=float(jnp.max(jnp.abs(got - ref))),
+                       finite=bool(jnp.all(jnp.isfinite(got))))
+            y16 = jax.jit(lambda x: mg.matmul_4bit_mgpu_gemv(
+                x, packed, codes if nested else absmax, code, blocksize=bs, nested=nest,
+                config=cfg))(x)
+            tri = ops.qmatmul(x, q, backend="pallas", variant="gemv_block_scaled")
+            rec["rel_16bit_vs_triton_gemv"] = rel(y16.astype(jnp.float32), tri.astype(jnp.float32))
+            rec["out_dtype"] = str(y16.dtype)
+        except Exception as e:  # noqa: BLE001 - a failing case is a result
+            rec["error"] = f"{type(e).__name__}: {str(e)[:3000]}"
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+
+
+def time_configs(out: list, ms, shapes, configs) -> None:
+    for k, n in shapes:
+        copies, dense, qs = nf4_weight_copies(k, n)
+        for m in ms:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            xs = distinct_copies(x, copies)
+            res = dict(k=k, n=n, m=m, bf16=bf16_us(x, dense, k, n))
+            res["triton gemv_block_scaled"] = us_per_product(
+                lambda xs, qs: [ops.qmatmul(a, q, backend="pallas", variant="gemv_block_scaled")
+                                for a, q in zip(xs, qs)], (xs, qs), copies)
+            for text in configs:
+                try:  # an invalid config is a result, not the end
+                    cfg = _config(text, m, n, k)
+                    res[f"mgpu_gemv {text}"] = us_per_product(
+                        lambda xs, qs, cfg=cfg: [_gemv(a, q, cfg) for a, q in zip(xs, qs)],
+                        (xs, qs), copies)
+                except ValueError as e:
+                    res[f"mgpu_gemv {text}"] = f"error: {str(e)[:300]}"
+            record_row(res, out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=("check", "time"))
+    ap.add_argument("--ms", default="1,2")
+    ap.add_argument("--shapes", default=",".join(f"{k}:{n}" for k, n in SHAPES))
+    ap.add_argument("--configs", default=";".join(CONFIGS))
+    a = ap.parse_args()
+    out: list = []
+    try:
+        if a.part == "check":
+            check(out)
+        else:
+            shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
+            time_configs(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"))
+    finally:
+        write_rows(out, f"mgpu_gemv_probe_{a.part}.json")
+
+
+if __name__ == "__main__":
+    main()
