@@ -47,11 +47,16 @@ def main():
     out_dir = os.environ.get("OUT", "/tmp")
     records = []
     for k, n in SHAPES_KN:
-        copies = l2_defeating_copies(n * k * 2)
-        ws = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02 for i in range(copies)]
-        weights = {"bf16": ws,
-                   "nf4": [quant.quantize_4bit(w, "nf4", 64, True) for w in ws],
-                   "int8": [quant.quantize_int8(w) for w in ws]}
+        # copies per weight kind, each sweep at least twice the L2 (until s17 all kinds took
+        # the bf16 count, so NF4's sweeps of 2-4 copies could stay partly in L2: s17-8 gave
+        # 7.8 us at 4096x4096, M = 1, where the L2-defeating probe gives 9.6)
+        copies = {kind: l2_defeating_copies(size)
+                  for kind, size in (("bf16", n * k * 2), ("nf4", n * k // 2), ("int8", n * k))}
+        ws = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02
+              for i in range(max(copies.values()))]
+        weights = {"bf16": ws[:copies["bf16"]],
+                   "nf4": [quant.quantize_4bit(w, "nf4", 64, True) for w in ws[:copies["nf4"]]],
+                   "int8": [quant.quantize_int8(w) for w in ws[:copies["int8"]]]}
         for m in (int(v) for v in a.ms.split(",")):
             x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
             for kind, wl in weights.items():
@@ -59,7 +64,7 @@ def main():
                     fn = lambda xs, wl: [x @ w.T for x, w in zip(xs, wl)]
                 else:
                     fn = lambda xs, wl: [ops.qmatmul(x, q, backend="pallas") for x, q in zip(xs, wl)]
-                kernels = per_kernel_us(fn, (distinct_copies(x, copies), wl), copies)
+                kernels = per_kernel_us(fn, (distinct_copies(x, len(wl)), wl), len(wl))
                 rec = dict(k=k, n=n, m=m, weight=kind, total_us=round(sum(kernels.values()), 2),
                            kernels=kernels)
                 records.append(rec)

@@ -18,7 +18,8 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.sweep_setup import bf16_us, nf4_weight_copies, record_row, write_rows
+from benchmarks.sweep_setup import (
+    bf16_us, nf4_weight_copies, record_row, time_configs_into, write_rows)
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora import ops, quant
 from pallas_kernels import matmul_4bit_mgpu_gemv as mg
@@ -34,7 +35,8 @@ def _config(text: str, m: int, n: int, k: int) -> mg.GemvConfig:
     fields = {a: int(b) for a, b in (kv.split("=") for kv in text.split(",")
                                       if kv and kv != "default")}
     cfg = dataclasses.replace(mg.default_config(m, n, k, 64), **fields)
-    while "stages" not in fields and cfg.stages > 2 and mg.smem_bytes(m, k, 64, cfg) > mg._SMEM_LIMIT:
+    while ("stages" not in fields and cfg.stages > 2
+           and mg.smem_bytes(m, k, 64, cfg) > mg.SMEM_LIMIT):
         cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
     return cfg
 
@@ -61,7 +63,9 @@ def check(out: list) -> None:
             (2, 256, 2048, 512, "nf4", True, jnp.bfloat16, "k_splits=4,stages=2"),
             (1, 4096, 4096, 64, "nf4", True, jnp.bfloat16, "default"),
             (2, 14336, 4096, 64, "nf4", True, jnp.bfloat16, "default"),
-            (1, 4096, 14336, 64, "nf4", True, jnp.float16, "k_splits=1,stages=3")):
+            (1, 4096, 14336, 64, "nf4", True, jnp.float16, "stages=3"),
+            (2, 4096, 4096, 64, "fp4", True, jnp.bfloat16, "default"),
+            (1, 14336, 4096, 64, "nf4", True, jnp.float16, "wgs=4")):
         kx, kw = jax.random.split(jax.random.key(m + k + n))
         w = jax.random.normal(kw, (n, k), jnp.float32) * 0.05
         q = quant.quantize_4bit(w, qt, bs, nested)
@@ -103,14 +107,8 @@ def time_configs(out: list, ms, shapes, configs) -> None:
             res["triton gemv_block_scaled"] = us_per_product(
                 lambda xs, qs: [ops.qmatmul(a, q, backend="pallas", variant="gemv_block_scaled")
                                 for a, q in zip(xs, qs)], (xs, qs), copies)
-            for text in configs:
-                try:  # an invalid config is a result, not the end
-                    cfg = _config(text, m, n, k)
-                    res[f"mgpu_gemv {text}"] = us_per_product(
-                        lambda xs, qs, cfg=cfg: [_gemv(a, q, cfg) for a, q in zip(xs, qs)],
-                        (xs, qs), copies)
-                except ValueError as e:
-                    res[f"mgpu_gemv {text}"] = f"error: {str(e)[:300]}"
+            time_configs_into(res, "mgpu_gemv", configs, lambda t: _config(t, m, n, k), _gemv,
+                              xs, qs, copies)
             record_row(res, out)
 
 

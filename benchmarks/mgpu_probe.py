@@ -17,7 +17,8 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.sweep_setup import bf16_us, nf4_weight_copies, record_row, write_rows
+from benchmarks.sweep_setup import (
+    bf16_us, nf4_weight_copies, record_row, time_configs_into, write_rows)
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora import ops, quant
 from pallas_kernels import matmul_4bit_mgpu as mm
@@ -39,7 +40,7 @@ def _config(text: str, shape=None) -> mm.Config | None:
     if not text.startswith("default"):
         return mm.Config(**fields)
     cfg = dataclasses.replace(mm.default_config(*shape, 64), **fields)
-    while cfg.max_concurrent_steps > 2 and mm.smem_bytes(cfg, 64) > mm._SMEM_LIMIT:
+    while cfg.max_concurrent_steps > 2 and mm.smem_bytes(cfg, 64) > mm.SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
     return cfg
 
@@ -205,14 +206,8 @@ def time_configs(out: list, ms, shapes, configs, baselines: bool = True) -> None
                 res[f"previous {prev}"] = us_per_product(
                     lambda xs, qs: [ops.qmatmul(a, q, backend="pallas", variant=prev)
                                     for a, q in zip(xs, qs)], (xs, qs), copies)
-            for text in configs:
-                try:  # an invalid config (shape, shared memory) is a result, not the end
-                    cfg = _config(text, (m, n, k))
-                    res[f"mgpu {text}"] = us_per_product(
-                        lambda xs, qs, cfg=cfg: [_mgpu(a, q, cfg) for a, q in zip(xs, qs)],
-                        (xs, qs), copies)
-                except ValueError as e:
-                    res[f"mgpu {text}"] = f"error: {str(e)[:300]}"
+            time_configs_into(res, "mgpu", configs, lambda t: _config(t, (m, n, k)), _mgpu,
+                              xs, qs, copies)
             record_row(res, out)
 
 

@@ -28,6 +28,19 @@ def bf16_us(x, dense: list, k: int, n: int):
                           (distinct_copies(x, dense_copies), dense[:dense_copies]), dense_copies)
 
 
+def time_configs_into(res: dict, label: str, configs, make_cfg, call, xs, qs, copies) -> None:
+    """res[f"{label} {text}"] = us per product of `call(x, q, make_cfg(text))` for each config
+    text; a config that is invalid (ValueError: shape, shared memory) records its error."""
+    for text in configs:
+        try:
+            cfg = make_cfg(text)
+            res[f"{label} {text}"] = us_per_product(
+                lambda xs, qs, cfg=cfg: [call(a, q, cfg) for a, q in zip(xs, qs)], (xs, qs),
+                copies)
+        except ValueError as e:
+            res[f"{label} {text}"] = f"error: {str(e)[:300]}"
+
+
 def record_row(res: dict, out: list) -> None:
     """Add `ratios` (every float timing over res["bf16"]) to one probe row, keep and print it."""
     res["ratios"] = {key: round(v / res["bf16"], 3) for key, v in res.items()

@@ -70,7 +70,8 @@ from pallas_kernels.matmul_4bit import check_x, matmul_4bit_reference
 from pallas_kernels.mgpu_decode import (
     code_loader, codes_layout, decode_fn, mosaic_modules, scale_denester)
 from pallas_kernels.mgpu_pipeline import (
-    FOUR_WG_REGISTERS, SMS, compute_registers_held, load_tile, sm_count, warp_specialized)
+    FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, load_tile, sm_count,
+    warp_specialized)
 from pallas_kernels.registry import Variant
 
 
@@ -107,9 +108,9 @@ def matmul_4bit_mgpu(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
         raise ValueError(f"{what}: x must be bfloat16 or float16 (the wgmma operand), got {x.dtype}")
     if m == 0:
         return jnp.zeros((0, n), out_dtype or x.dtype)
-    if smem_bytes(cfg, blocksize) > _SMEM_LIMIT:
+    if smem_bytes(cfg, blocksize) > SMEM_LIMIT:
         raise ValueError(f"{what}: {cfg} needs {smem_bytes(cfg, blocksize)} bytes of shared "
-                         f"memory, more than {_SMEM_LIMIT}: lower max_concurrent_steps or tiles")
+                         f"memory, more than {SMEM_LIMIT}: lower max_concurrent_steps or tiles")
     problem = _shape_problem(m, n, k, blocksize, cfg)
     if problem:
         raise ValueError(f"matmul_4bit_mgpu: {problem}")
@@ -143,7 +144,7 @@ def denests_in_kernel(n: int, k: int, blocksize: int, cfg: Config) -> bool:
     per_thread = cfg.wg_rows * split_cols // 128
     return (cfg.k_wgs == 1 and per_thread * 128 == cfg.wg_rows * split_cols
             and per_thread <= _DENEST_MAX_PER_THREAD
-            and smem_bytes(cfg, blocksize, denest_k=k) <= _SMEM_LIMIT)
+            and smem_bytes(cfg, blocksize, denest_k=k) <= SMEM_LIMIT)
 
 
 # scales a thread de-nests per tile, at most. Measured against XLA de-nesting first (H100,
@@ -223,12 +224,9 @@ def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
     if _shape_problem(m, n, k, blocksize, Config(tile_m, tile_k, splits)):
         tile_k = 64
     cfg = Config(tile_m=tile_m, tile_k=tile_k, k_splits=splits)
-    while cfg.max_concurrent_steps > 2 and smem_bytes(cfg, blocksize) > _SMEM_LIMIT:
+    while cfg.max_concurrent_steps > 2 and smem_bytes(cfg, blocksize) > SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
     return cfg
-
-
-_SMEM_LIMIT = 232448 - 1088  # an H100/H200 block's shared memory, less barriers (64 to 1072 B seen)
 
 
 def smem_bytes(cfg: Config, blocksize: int, *, denest_k: int = 0) -> int:

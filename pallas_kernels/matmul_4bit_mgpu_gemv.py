@@ -8,10 +8,12 @@ pairs, (code[b >> 4], code[b & 15]), and multiplies them into x by two fused mul
 
     per byte: prmt (byte to the table offset), add (the lane's column), ld.shared.v2.f32, 2 fma
 
-about 2.5 instructions per weight. The table is replicated once per lane, laid out so that lane
+about 2.5 instructions per weight on paper; 4.0 measured, with index, x-conversion and
+pipeline-wait work (H100 ncu, s17-7). The table is replicated once per lane, laid out so that lane
 l only ever reads bank pair (2l, 2l + 1) mod 32: every lookup of a warp is conflict-free whatever
 the bytes are (a 256-entry table shared by the lanes puts 3-4 of 32 random lookups in one bank).
-That costs 256 x 32 x 8 = 64 KiB of shared memory per CTA, written once per tile.
+That costs 256 x 32 x 8 = 64 KiB of shared memory per CTA, written once per tile (each compute
+warpgroup its share, then a named barrier).
 
 The sums follow the block structure (as `matmul_4bit_gemv`): per scale block,
 y += absmax * sum(x * code), all in fp32; the weight is never rounded to x's dtype. Oracle:
@@ -22,10 +24,15 @@ warpgroup streams (256 rows x 128 bytes) tiles of the packed weight and (M x 256
 with TMA. Thread t of a compute warpgroup takes the 16-byte chunk c = t % 8 (32 columns, inside
 one scale block for blocksize >= 32) of rows t // 8 + 16 j, j = 0..7: the 8 lanes of a
 quarter-warp read one row's 128 contiguous bytes, so the tile loads are conflict-free too, and a
-thread's 32 x values serve all its 8 rows. Scales come straight from global memory, one per
-(row, step) a thread, de-nested there for double quant (bitsandbytes' two roundings, as the
-wgmma kernel). At the end of a tile the 8 lanes of a row sum their partials by shuffles; with
-K splits the fp32 partials are summed by XLA.
+thread's 32 x values serve all its 8 rows. At the start of a tile each compute warpgroup
+stages its rows' scales of the K split into shared memory, de-nested there for double quant
+(bitsandbytes' two roundings, as the wgmma kernel), with coalesced loads. At the end of a tile
+the 8 lanes of a row sum their partials by shuffles; with K splits the fp32 partials are summed
+by XLA.
+
+Measured (H100, s17-5, ratio to the bf16 GEMV at 4096x4096 / 4096x14336 / 14336x4096): M = 1
+0.64 / 0.49 / 0.45 (Triton GEMV 0.70 / 0.62 / 0.62), M = 2 0.72 / 0.52 / 0.49 (0.97 / 0.74 /
+0.75). Versions and what limits it: benchmarks/results/README.md, session 17.
 
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` re-runs the
 kernel's thread mapping, table layout and block sums in numpy against the reference, the PTX
@@ -46,7 +53,7 @@ from pallas_kernels.matmul_4bit import check_x
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from pallas_kernels.mgpu_decode import DENEST_PTX, mosaic_modules
 from pallas_kernels.mgpu_pipeline import (
-    FOUR_WG_REGISTERS, SMS, compute_registers_held, sm_count, warp_specialized)
+    FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, sm_count, warp_specialized)
 from pallas_kernels.registry import Variant
 
 MAX_M = 2
@@ -55,7 +62,6 @@ CTA_ROWS = 256  # weight rows a CTA, shared by its compute warpgroups
 CHUNK = 32  # weight columns of one thread's 16-byte chunk
 LANES = 32
 TABLE_FLOATS = 256 * LANES * 2  # (byte, lane) -> (code[hi], code[lo]), 64 KiB
-_SMEM_LIMIT = 232448 - 1088  # an H100/H200 block's shared memory, less barriers
 TABLE_BARRIER = 15  # named barrier of the compute warpgroups (Mosaic uses 0 and 1 + wg)
 
 
@@ -105,7 +111,7 @@ def default_config(m: int, n: int, k: int, blocksize: int) -> GemvConfig:
         if k_iters % d == 0 and n_tiles * d <= SMS and (k // d) % blocksize == 0:
             splits = d
     cfg = GemvConfig(k_splits=splits, stages=2)
-    while cfg.stages > 2 and smem_bytes(m, k, blocksize, cfg) > _SMEM_LIMIT:
+    while cfg.stages > 2 and smem_bytes(m, k, blocksize, cfg) > SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
     return cfg
 
@@ -125,9 +131,9 @@ def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: GemvConfig) -> st
         return f"wgs must be 2 or 4, got {cfg.wgs}"
     if not 2 <= cfg.stages <= 4:
         return f"stages must be 2..4, got {cfg.stages}"
-    if smem_bytes(m, k, blocksize, cfg) > _SMEM_LIMIT:
+    if smem_bytes(m, k, blocksize, cfg) > SMEM_LIMIT:
         return (f"{cfg} needs {smem_bytes(m, k, blocksize, cfg)} bytes of shared memory, more "
-                f"than {_SMEM_LIMIT}: fewer stages or more K splits")
+                f"than {SMEM_LIMIT}: fewer stages or more K splits")
     return None
 
 

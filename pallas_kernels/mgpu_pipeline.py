@@ -11,6 +11,8 @@ import jax
 
 # SMs of an H100 / H200: the CTA count where no GPU is attached (lowering on CPU)
 SMS = 132
+# an H100/H200 block's shared memory, less Mosaic's barriers (64 to 1072 B seen)
+SMEM_LIMIT = 232448 - 1088
 
 
 def sm_count() -> int:

@@ -26,6 +26,7 @@ from pallas_kernels import matmul_4bit_mgpu_t as mt
 from pallas_kernels.matmul_4bit import matmul_4bit_reference
 from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
 from pallas_kernels.nibble_lookup import _lop3, _prmt
+from mosaic_lowering import lower_for_cuda
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -232,7 +233,7 @@ def test_default_config_is_valid_wherever_supported(m, n128, k64, log_bs):
     assert mm.supports(m, n, k, bs)
     assert mm._shape_problem(m, n, k, bs, cfg) is None
     assert cfg.tile_m in (16, 32, 64, 128, 256)
-    assert mm.smem_bytes(cfg, bs) <= mm._SMEM_LIMIT
+    assert mm.smem_bytes(cfg, bs) <= mm.SMEM_LIMIT
     assert cfg.tile_m >= m or m > 64  # small M: one token tile holds all rows
     tiles = -(-m // cfg.tile_m) * (n // 128)
     assert cfg.k_splits == 1 or tiles * cfg.k_splits <= mm.SMS
@@ -280,22 +281,7 @@ def test_unsupported_shapes_and_inputs_get_clear_errors():
 
 # ----------------------------------------------------------------------------- lowering, plan
 def _lower(m, n, k, bs, cfg, dtype=jnp.bfloat16, nested=True):
-    w = jax.ShapeDtypeStruct((n, k), jnp.float32)
-    q = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", bs, nested), w)
-    x = jax.ShapeDtypeStruct((m, k), dtype)
-
-    def f(x, q):
-        absmax = q.absmax.reshape(n, k // bs)
-        nest = (q.nested_absmax, q.nested_code, q.offset) if nested else None
-        return mm.matmul_4bit_mgpu(x, q.packed.reshape(n, k // 2), absmax, q.code,
-                                   blocksize=bs, nested=nest, config=cfg)
-
-    try:
-        return jax.jit(f).trace(x, q).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:  # noqa: BLE001
-        if "Unable to" in str(e) or "no CUDA" in str(e):  # pragma: no cover
-            pytest.skip(f"this jax cannot lower Mosaic GPU kernels without a GPU: {e}")
-        raise
+    return lower_for_cuda(mm.matmul_4bit_mgpu, m, n, k, bs, dtype, nested, config=cfg)
 
 
 @pytest.mark.parametrize("m,n,k,bs,cfg,dtype,nested", [

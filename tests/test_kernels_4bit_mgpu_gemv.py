@@ -22,6 +22,7 @@ from jqlora.quant import tables
 from pallas_kernels import matmul_4bit_mgpu_gemv as mg
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from pallas_kernels.nibble_lookup import _prmt
+from mosaic_lowering import lower_for_cuda
 
 
 # ----------------------------------------------------------------------------- PTX interpreter
@@ -175,7 +176,7 @@ def test_default_config_is_valid_wherever_supported(m, n256, k256, log_bs):
     cfg = mg.default_config(m, n, k, bs)
     assert mg.supports(m, n, k, bs) == (mg.shape_problem(m, n, k, bs, cfg) is None)
     if mg.supports(m, n, k, bs):
-        assert mg.smem_bytes(m, k, bs, cfg) <= mg._SMEM_LIMIT
+        assert mg.smem_bytes(m, k, bs, cfg) <= mg.SMEM_LIMIT
         assert (n // mg.CTA_ROWS) * cfg.k_splits <= mg.SMS
 
 
@@ -215,22 +216,7 @@ def test_bad_inputs_get_clear_errors():
 
 # ----------------------------------------------------------------------------- lowering, plan
 def _lower(m, n, k, bs, cfg, dtype=jnp.bfloat16, nested=True):
-    w = jax.ShapeDtypeStruct((n, k), jnp.float32)
-    q = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", bs, nested), w)
-    x = jax.ShapeDtypeStruct((m, k), dtype)
-
-    def f(x, q):
-        absmax = q.absmax.reshape(n, k // bs)
-        nest = (q.nested_absmax, q.nested_code, q.offset) if nested else None
-        return mg.matmul_4bit_mgpu_gemv(x, q.packed.reshape(n, k // 2), absmax, q.code,
-                                        blocksize=bs, nested=nest, config=cfg)
-
-    try:
-        return jax.jit(f).trace(x, q).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:  # noqa: BLE001
-        if "Unable to" in str(e) or "no CUDA" in str(e):  # pragma: no cover
-            pytest.skip(f"this jax cannot lower Mosaic GPU kernels without a GPU: {e}")
-        raise
+    return lower_for_cuda(mg.matmul_4bit_mgpu_gemv, m, n, k, bs, dtype, nested, config=cfg)
 
 
 @pytest.mark.parametrize("m,n,k,bs,cfg,dtype,nested", [
