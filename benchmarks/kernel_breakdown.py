@@ -49,7 +49,7 @@ def main():
     for k, n in SHAPES_KN:
         # copies per weight kind, each sweep at least twice the L2 (until s17 all kinds took
         # the bf16 count, so NF4's sweeps of 2-4 copies could stay partly in L2: s17-8 gave
-        # 7.8 us at 4096x4096, M = 1, where the L2-defeating probe gives 9.6)
+        # 7.8 us at 4096x4096, M = 1; with this count s17-9 gives 9.65, the probe's 9.62)
         copies = {kind: l2_defeating_copies(size)
                   for kind, size in (("bf16", n * k * 2), ("nf4", n * k // 2), ("int8", n * k))}
         ws = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02

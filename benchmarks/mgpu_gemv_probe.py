@@ -64,7 +64,8 @@ def check(out: list) -> None:
             (1, 4096, 4096, 64, "nf4", True, jnp.bfloat16, "default"),
             (2, 14336, 4096, 64, "nf4", True, jnp.bfloat16, "default"),
             (1, 4096, 14336, 64, "nf4", True, jnp.float16, "stages=3"),
-            (2, 4096, 4096, 64, "fp4", True, jnp.bfloat16, "default"),
+            (2, 4096, 4096, 64, "fp4", True, jnp.bfloat16, "staged_scales=1"),
+            (1, 512, 3584, 64, "nf4", True, jnp.bfloat16, "k_splits=2,staged_scales=1"),
             (1, 14336, 4096, 64, "nf4", True, jnp.float16, "wgs=4")):
         kx, kw = jax.random.split(jax.random.key(m + k + n))
         w = jax.random.normal(kw, (n, k), jnp.float32) * 0.05

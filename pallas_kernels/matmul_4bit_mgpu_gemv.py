@@ -24,14 +24,14 @@ warpgroup streams (256 rows x 128 bytes) tiles of the packed weight and (M x 256
 with TMA. Thread t of a compute warpgroup takes the 16-byte chunk c = t % 8 (32 columns, inside
 one scale block for blocksize >= 32) of rows t // 8 + 16 j, j = 0..7: the 8 lanes of a
 quarter-warp read one row's 128 contiguous bytes, so the tile loads are conflict-free too, and a
-thread's 32 x values serve all its 8 rows. At the start of a tile each compute warpgroup
-stages its rows' scales of the K split into shared memory, de-nested there for double quant
-(bitsandbytes' two roundings, as the wgmma kernel), with coalesced loads. At the end of a tile
-the 8 lanes of a row sum their partials by shuffles; with K splits the fp32 partials are summed
-by XLA.
+thread's 32 x values serve all its 8 rows. Each step a thread loads its 8 rows' scales from
+global memory and de-nests them for double quant (bitsandbytes' two roundings, as the wgmma
+kernel); `GemvConfig(staged_scales=True)` instead stages the tile's scales into shared memory
+first (coalesced), measured no faster. At the end of a tile the 8 lanes of a row sum their
+partials by shuffles; with K splits the fp32 partials are summed by XLA.
 
-Measured (H100, s17-5, ratio to the bf16 GEMV at 4096x4096 / 4096x14336 / 14336x4096): M = 1
-0.64 / 0.49 / 0.45 (Triton GEMV 0.70 / 0.62 / 0.62), M = 2 0.72 / 0.52 / 0.49 (0.97 / 0.74 /
+Measured (H100, s17-10, ratio to the bf16 GEMV at 4096x4096 / 4096x14336 / 14336x4096): M = 1
+0.60 / 0.47 / 0.45 (Triton GEMV 0.71 / 0.63 / 0.62), M = 2 0.68 / 0.48 / 0.50 (0.97 / 0.70 /
 0.75). Versions and what limits it: benchmarks/results/README.md, session 17.
 
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` re-runs the
@@ -73,6 +73,13 @@ class GemvConfig:
     # warps that hide latency but halves the rows one thread's 32 x values serve; measured
     # slower (H100 s17-4, M = 1: 0.684 / 0.521 / 0.474 x bf16 against 0.647 / 0.488 / 0.448)
     wgs: int = 2
+    # True: the tile's scales staged (de-nested) into shared memory at the start of a tile.
+    # False: each step loads and de-nests its own scales from global memory. Same run (H100
+    # s17-10, ratio to bf16, staged against per step): M = 1 0.647 / 0.488 / 0.447 against
+    # 0.603 / 0.473 / 0.451, M = 2 0.721 / 0.480 / 0.490 against 0.681 / 0.483 / 0.503: per
+    # step wins at 4096x4096 (2 steps a CTA: the staging is one more round trip before the
+    # first), the rest is within run-to-run spread
+    staged_scales: bool = False
 
     @property
     def wg_rows(self) -> int:
@@ -88,9 +95,9 @@ def smem_bytes(m: int, k: int, blocksize: int, cfg: GemvConfig) -> int:
     tile's staged scales, each rounded up to Mosaic's 1024-byte alignment."""
     up = lambda b: -(-b // 1024) * 1024
     split_cols = k // cfg.k_splits // blocksize
+    staged = cfg.wgs * cfg.wg_rows * scale_stride(split_cols) * 4 if cfg.staged_scales else 0
     return (up(TABLE_FLOATS * 4) + up(cfg.stages * CTA_ROWS * TILE_K // 2)
-            + up(cfg.stages * m * TILE_K * 2)
-            + up(cfg.wgs * cfg.wg_rows * scale_stride(split_cols) * 4))
+            + up(cfg.stages * m * TILE_K * 2) + up(staged))
 
 
 def scale_stride(split_cols: int) -> int:
@@ -101,19 +108,18 @@ def scale_stride(split_cols: int) -> int:
 
 def default_config(m: int, n: int, k: int, blocksize: int) -> GemvConfig:
     """K splits: the most that divide the K steps and keep the CTAs within one wave of SMs;
-    a 2-stage pipeline: H100 s17-4, M = 1, against 3 stages: 0.647 / 0.488 / 0.448 x bf16
-    against 0.650 / 0.513 / 0.460 (4096x4096 / 4096x14336 / 14336x4096), M = 2 0.710 / 0.495 /
-    0.489 against 0.711 / 0.528 / 0.519; two 32 KiB stages keep more than enough bytes in
-    flight, and a smaller carve-out leaves more L1 for the scale loads."""
+    a 2-stage pipeline (H100 s17-10, ratio to bf16 at 4096x4096 / 4096x14336 / 14336x4096,
+    against 3 stages: M = 1 0.603 / 0.473 / 0.451 against 0.610 / 0.501 / 0.462, M = 2 0.681 /
+    0.483 / 0.503 against 0.684 / 0.511 / 0.524; with staged scales likewise, s17-4): two
+    32 KiB stages keep enough bytes in flight, and a smaller carve-out leaves more L1 for the
+    scale loads. `m` is unused (kept for the signature the other kernels' defaults have)."""
+    del m
     n_tiles, k_iters = n // CTA_ROWS, k // TILE_K
     splits = 1
     for d in range(1, k_iters + 1):
         if k_iters % d == 0 and n_tiles * d <= SMS and (k // d) % blocksize == 0:
             splits = d
-    cfg = GemvConfig(k_splits=splits, stages=2)
-    while cfg.stages > 2 and smem_bytes(m, k, blocksize, cfg) > SMEM_LIMIT:
-        cfg = dataclasses.replace(cfg, stages=cfg.stages - 1)
-    return cfg
+    return GemvConfig(k_splits=splits, stages=2)
 
 
 def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: GemvConfig) -> str | None:
@@ -359,10 +365,12 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
         del ctx
         return fa.FragmentedArray.splat(arith.constant(ir.F32Type.get(), 0.0), shape, layout)
 
-    def step(ctx, w_ref, x_ref, table_ref, s_ref, acc):
+    def step(ctx, w_ref, x_ref, table_ref, s_ref, *rest):
         """One pipeline step: the thread's rows t // 8 + 16 j, chunk c of the step's columns.
-        s_ref: the staged scales from this step's first column."""
+        s_ref: the staged scales from this step's first column, or without staging the step's
+        (wg_rows, step columns) window of the scales in global memory (then the nested refs)."""
         del ctx
+        *nest_refs, acc = rest
         f32 = ir.F32Type.get()
         tid, lane, c, r0 = thread()
         tb = arith.addi(_smem_address(table_ref), arith.muli(lane, c32(8)))
@@ -371,8 +379,14 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
         xb = arith.addi(_smem_address(x_ref), arith.muli(c, c32(CHUNK * 2)))
         blk = (arith.divui(arith.muli(c, c32(CHUNK)), c32(blocksize)) if blocksize < TILE_K
                else c32(0))
-        sb = arith.addi(_smem_address(s_ref),
-                        arith.muli(arith.addi(arith.muli(r0, c32(s_stride)), blk), c32(4)))
+        if cfg.staged_scales:
+            sb = arith.addi(_smem_address(s_ref),
+                            arith.muli(arith.addi(arith.muli(r0, c32(s_stride)), blk), c32(4)))
+            scales = [_asm("ld.shared.f32 $0, [$1];", [arith.addi(sb, c32(64 * s_stride * j))],
+                           "f", side_effects=True)[0] for j in range(rpt)]
+        else:  # all the step's scale loads first: their latency overlaps the x and row work
+            scales = [load_scale(s_ref, nest_refs, as_idx(arith.addi(r0, c32(16 * j))),
+                                 as_idx(blk)) for j in range(rpt)]
         xs = []  # per x row: 32 f32, column 2 p at 2 p, 2 p + 1 at 2 p + 1
         for r in range(m):
             vals = []
@@ -385,8 +399,7 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
         accs = [vector.extract(vec, [], [i]) for i in range(rpt * m)]
         zero = arith.constant(f32, 0.0)
         for j in range(rpt):
-            s = _asm("ld.shared.f32 $0, [$1];", [arith.addi(sb, c32(64 * s_stride * j))], "f",
-                     side_effects=True)[0]
+            s = scales[j]
             words = _asm(LOAD_WORDS_PTX, [arith.addi(wb, c32(16 * j * TILE_K // 2))], "rrrr",
                          side_effects=True)
             sums = [zero] * (2 * m)
@@ -431,7 +444,8 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
         stage_scales=plgpu.inline_mgpu(arg_types=(ref,) * (2 + n_nest),
                                        return_type=None)(stage_scales),
         zeros=plgpu.inline_mgpu(arg_types=(), return_type=acc_type)(zeros),
-        step=plgpu.inline_mgpu(arg_types=(ref,) * 4 + (acc_arg,), return_type=acc_type)(step),
+        step=plgpu.inline_mgpu(arg_types=(ref,) * (4 + (0 if cfg.staged_scales else n_nest))
+                               + (acc_arg,), return_type=acc_type)(step),
         finish=plgpu.inline_mgpu(arg_types=(acc_arg, ref), return_type=None)(finish),
     )
 
@@ -448,6 +462,7 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: GemvConfig, out
     n_tiles = n // CTA_ROWS
     split_cols = k_per // blocksize
     s_len = wg_rows * scale_stride(split_cols)
+    step_cols = max(1, TILE_K // blocksize)
     out_dtype = jnp.float32 if splits > 1 else out_dtype
     f = _pieces(plgpu, m, x.dtype, blocksize, k // blocksize, split_cols, nest is not None, cfg)
     pipeline, allocate = warp_specialized(
@@ -456,7 +471,7 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: GemvConfig, out
                   plgpu.BlockSpec((m, TILE_K), lambda kk: (0, kk))])
 
     def matmul_4bit_mgpu_gemv_kernel(x_gmem, w_gmem, s_gmem, code_gmem, *rest, table_smem,
-                                     scale_smem):
+                                     scale_smem=None):
         *nest_gmem, out_gmem = rest
 
         @functools.partial(pl.run_scoped, allocs=allocate(w_gmem, x_gmem),
@@ -472,18 +487,22 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: GemvConfig, out
                 row0 = ni * CTA_ROWS + wg * wg_rows
                 dst = (out_gmem.at[split] if splits > 1 else out_gmem).at[:, pl.ds(row0, wg_rows)]
                 s_tile = s_gmem.at[pl.ds(row0, wg_rows), pl.ds(split * split_cols, split_cols)]
-                s_mine = scale_smem.at[wg]
 
                 def ctx(run):
-                    f["stage_scales"](s_tile, *nest_gmem, s_mine)
+                    if cfg.staged_scales:
+                        f["stage_scales"](s_tile, *nest_gmem, scale_smem.at[wg])
                     f["build_table"](table_smem, code_gmem)
                     f["finish"](run(f["zeros"]()), dst)
 
                 def body(indices, w_smem, x_smem, acc):
                     (kk,) = indices
-                    s_step = s_mine.at[pl.ds(kk * TILE_K // blocksize, s_len - split_cols)]
+                    col = kk * TILE_K // blocksize  # the step's first scale column in the split
+                    if cfg.staged_scales:
+                        s_step = (scale_smem.at[wg].at[pl.ds(col, s_len - split_cols)],)
+                    else:
+                        s_step = (s_tile.at[:, pl.ds(col, step_cols)], *nest_gmem)
                     return f["step"](w_smem.at[pl.ds(wg * wg_rows, wg_rows)], x_smem,
-                                     table_smem, s_step, acc)
+                                     table_smem, *s_step, acc)
 
                 pipeline(body, ctx)(
                     w_gmem.at[pl.ds(ni * CTA_ROWS, CTA_ROWS), pl.ds(split * k_per // 2, k_per // 2)],
@@ -501,7 +520,8 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: GemvConfig, out
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(
             table_smem=plgpu.SMEM((TABLE_FLOATS,), jnp.float32),
-            scale_smem=plgpu.SMEM((cfg.wgs, s_len), jnp.float32)),
+            **({"scale_smem": plgpu.SMEM((cfg.wgs, s_len), jnp.float32)}
+               if cfg.staged_scales else {})),
     )
     with compute_registers_held(FOUR_WG_REGISTERS if cfg.wgs == 4 else None):
         y = kernel(x, packed, scales, code, *(nest or ()))

@@ -209,8 +209,8 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(ValueError, match="k_splits"):
         mg.matmul_4bit_mgpu_gemv(x, packed, absmax, q.code, blocksize=64,
                                  config=mg.GemvConfig(k_splits=3))
-    assert "shared memory" in mg.shape_problem(1, 256, 65536, 64,
-                                               mg.GemvConfig(k_splits=1, stages=4))
+    assert "shared memory" in mg.shape_problem(
+        1, 256, 65536, 64, mg.GemvConfig(k_splits=1, stages=4, staged_scales=True))
     assert not mg.supports(4, 256, 512, 64) and not mg.supports(1, 384, 512, 64)
 
 
@@ -224,6 +224,8 @@ def _lower(m, n, k, bs, cfg, dtype=jnp.bfloat16, nested=True):
     (2, 256, 512, 128, mg.GemvConfig(k_splits=2), jnp.float16, False),
     (1, 512, 4096, 64, mg.GemvConfig(k_splits=2, wgs=4, stages=3), jnp.bfloat16, True),
     (2, 256, 2048, 512, mg.GemvConfig(k_splits=4, wgs=4), jnp.bfloat16, True),
+    (1, 256, 1024, 64, mg.GemvConfig(k_splits=2, staged_scales=True), jnp.bfloat16, True),
+    (2, 256, 1024, 128, mg.GemvConfig(staged_scales=True), jnp.float16, False),
 ])
 def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     """Pallas -> Mosaic GPU on a machine without a GPU: the pipeline, the inline functions and
@@ -261,6 +263,8 @@ gpu = pytest.mark.skipif(not mg.available(), reason="needs a Hopper GPU and Mosa
     (1, 256, 1024, 128, "nf4", jnp.bfloat16, mg.GemvConfig(k_splits=2)),
     (2, 256, 2048, 512, "nf4", jnp.bfloat16, mg.GemvConfig(k_splits=4, wgs=4)),
     (1, 512, 3584, 64, "nf4", jnp.bfloat16, mg.GemvConfig(k_splits=7, stages=3)),
+    (2, 256, 3584, 64, "nf4", jnp.bfloat16, mg.GemvConfig(k_splits=2, staged_scales=True)),
+    (1, 256, 1024, 512, "fp4", jnp.float16, mg.GemvConfig(staged_scales=True)),
 ])
 def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     """fp32 outputs: the emulation of the kernel's order (tight) and the reference."""

@@ -57,9 +57,9 @@ MGPU_MAX_M_4BIT = 1024
 MGPU_T_MAX_M_4BIT = 128
 # 4-bit on Hopper with 16-bit x, M <= GEMV_MAX_M_4BIT: the Mosaic GPU pair-table GEMV
 # (mgpu_gemv_pair_table: one conflict-free shared-memory load gives a byte's two fp32 codes).
-# H100, session 17, s17-4 (results/..._s17_mgpu_gemv_*.json; ratios to bf16 at 4096x4096 /
-# 4096x14336 / 14336x4096, same run): M = 1 0.647 / 0.488 / 0.448 against the Triton GEMV's
-# 0.696 / 0.632 / 0.623; M = 2 0.710 / 0.495 / 0.489 against 0.933 / 0.726 / 0.749.
+# H100, session 17, s17-10 (results/..._s17_mgpu_gemv_staged_vs_step_time.json; ratios to bf16
+# at 4096x4096 / 4096x14336 / 14336x4096, same run): M = 1 0.603 / 0.473 / 0.451 against the
+# Triton GEMV's 0.714 / 0.632 / 0.620; M = 2 0.681 / 0.483 / 0.503 against 0.969 / 0.701 / 0.749.
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
