@@ -71,7 +71,8 @@ class GemvConfig:
     stages: int = 2  # pipeline depth of the memory warpgroup (32 KiB of weight a stage)
     # compute warpgroups: 2 (128 rows, 8 a thread) or 4 (64 rows, 4 a thread). 4 doubles the
     # warps that hide latency but halves the rows one thread's 32 x values serve; measured
-    # slower (H100 s17-4, M = 1: 0.684 / 0.521 / 0.474 x bf16 against 0.647 / 0.488 / 0.448)
+    # slower (H100 s17-4, staged scales, M = 1: 0.684 / 0.521 / 0.474 x bf16 against 0.647 /
+    # 0.488 / 0.448)
     wgs: int = 2
     # True: the tile's scales staged (de-nested) into shared memory at the start of a tile.
     # False: each step loads and de-nests its own scales from global memory. Same run (H100
