@@ -145,8 +145,8 @@ def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: GemvConfig) -> st
 
 
 def supports(m: int, n: int, k: int, blocksize: int) -> bool:
-    return (supports_4bit(m, n, k, blocksize) and 1 <= m <= MAX_M and n % CTA_ROWS == 0
-            and k % TILE_K == 0 and blocksize % CHUNK == 0
+    """Shapes the default config takes (`shape_problem` holds every condition)."""
+    return (supports_4bit(m, n, k, blocksize)
             and shape_problem(m, n, k, blocksize, default_config(m, n, k, blocksize)) is None)
 
 

@@ -167,15 +167,17 @@ def test_emulation_matches_the_reference(m, n256, k256, log_bs, splits, seed):
 
 
 # ----------------------------------------------------------------------------- configs, errors
-@given(m=st.integers(1, 2), n256=st.integers(1, 80), k256=st.integers(1, 80),
+@given(m=st.integers(1, 4), n32=st.integers(1, 640), k32=st.integers(1, 640),
        log_bs=st.integers(5, 12))
-def test_default_config_is_valid_wherever_supported(m, n256, k256, log_bs):
-    n, k, bs = 256 * n256, 256 * k256, 2 ** log_bs
-    if k % bs:
-        return
-    cfg = mg.default_config(m, n, k, bs)
-    assert mg.supports(m, n, k, bs) == (mg.shape_problem(m, n, k, bs, cfg) is None)
-    if mg.supports(m, n, k, bs):
+def test_default_config_is_valid_wherever_supported(m, n32, k32, log_bs):
+    """Exactly the shapes with M <= 2, N and K multiples of 256 and whole scale blocks are
+    taken, and their default config fits shared memory and one wave of SMs."""
+    n, k, bs = 32 * n32, 32 * k32, 2 ** log_bs
+    want = m <= 2 and n % 256 == 0 and k % 256 == 0 and k % bs == 0
+    assert mg.supports(m, n, k, bs) == want
+    if want:
+        cfg = mg.default_config(m, n, k, bs)
+        assert mg.shape_problem(m, n, k, bs, cfg) is None
         assert mg.smem_bytes(m, k, bs, cfg) <= mg.SMEM_LIMIT
         assert (n // mg.CTA_ROWS) * cfg.k_splits <= mg.SMS
 
