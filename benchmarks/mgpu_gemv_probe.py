@@ -2,8 +2,12 @@
 the Triton GEMV `auto` runs at M <= 2, same run; plus its correctness checks.
 
     python -m benchmarks.mgpu_gemv_probe check            # errors vs the fp32 reference
+    python -m benchmarks.mgpu_gemv_probe check --extra interleave=1   # those fields on each case
     python -m benchmarks.mgpu_gemv_probe time --ms 1,2    # one JSON line per (shape, M)
         [--shapes 4096:4096,...] [--configs "default;k_splits=4;stages=3"]
+    python -m benchmarks.mgpu_gemv_probe time --ms 1,16 --configs default --mma-configs default
+                                                          # with the MMA kernel (M <= 16)
+    python -m benchmarks.mgpu_gemv_probe smem-base        # where the pair table starts
 
 NF4 blocksize 64 with double quant, bf16 x; device time per product with the weight streamed
 from HBM and distinct x per product (benchmarks/timing.py). Rows go to
@@ -23,6 +27,7 @@ from benchmarks.sweep_setup import (
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora import ops, quant
 from pallas_kernels import matmul_4bit_mgpu_gemv as mg
+from pallas_kernels import matmul_4bit_mgpu_mma as mm
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
@@ -53,9 +58,35 @@ def _gemv(x, q, cfg, out_dtype=None):
                                     nested=nested, config=cfg, out_dtype=out_dtype)
 
 
-def check(out: list) -> None:
+def smem_base(out: list) -> None:
+    """The shared-window address of a kernel's first scratch buffer, where the GEMV's pair
+    table sits (a one-prmt table address would need it 64 KiB-aligned: `word_ptx`)."""
+    _, _, plgpu, _, arith, memref, _, _ = mg.mosaic_modules()
+    from jax._src.lib.mlir import ir
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=None)
+    def store_address(ctx, table_ref, out_ref):
+        del ctx
+        memref.store(mg._smem_address(table_ref), out_ref,
+                     [arith.constant(ir.IndexType.get(), 0)])
+
+    def body(out_gmem, *, table_smem, scale_smem):
+        store_address(table_smem, out_gmem)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(1,), grid_names=("x",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=dict(table_smem=plgpu.SMEM((mg.TABLE_FLOATS,), jnp.float32),
+                           scale_smem=plgpu.SMEM((2, 256), jnp.float32)))
+    address = int(jax.jit(kernel)()[0])
+    rec = dict(part="smem-base", table_address=address, aligned_64k=address % 65536 == 0)
+    print(json.dumps(rec), flush=True)
+    out.append(rec)
+
+
+def check(out: list, extra: str = "") -> None:
     """fp32 outputs against the fp32 reference (the same sums in another order: ~1e-6), and
-    the bf16 output against the Triton GEMV's."""
+    the bf16 output against the Triton GEMV's. `extra`: config fields added to every case."""
     for (m, n, k, bs, qt, nested, dt, cfg_text) in (
             (1, 256, 512, 64, "nf4", True, jnp.bfloat16, "default"),
             (2, 512, 1024, 64, "fp4", False, jnp.float16, "default"),
@@ -72,9 +103,9 @@ def check(out: list) -> None:
         q = quant.quantize_4bit(w, qt, bs, nested)
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(dt)
         rec = dict(part="check", m=m, k=k, n=n, blocksize=bs, quant_type=qt, nested=nested,
-                   dtype=jnp.dtype(dt).name, config=cfg_text)
+                   dtype=jnp.dtype(dt).name, config=",".join(t for t in (cfg_text, extra) if t))
         try:
-            cfg = _config(cfg_text, m, n, k)
+            cfg = _config(",".join(t for t in (cfg_text, extra) if t), m, n, k)
             packed, codes, code, nest = _operands(q)
             nest = nest if nested else None
             absmax = quant.absmax_f32(q).reshape(n, k // bs)
@@ -98,37 +129,61 @@ def check(out: list) -> None:
         out.append(rec)
 
 
-def time_configs(out: list, ms, shapes, configs) -> None:
+def _mma(x, q, cfg):
+    packed, codes, code, nested = _operands(q)
+    return mm.matmul_4bit_mgpu_mma(x, packed, codes, code, blocksize=q.blocksize, nested=nested,
+                                   config=cfg)
+
+
+def _mma_config(text: str, m: int, n: int, k: int) -> mm.MmaConfig:
+    fields = {a: int(b) for a, b in (kv.split("=") for kv in text.split(",")
+                                      if kv and kv != "default")}
+    base = mm.default_config(m, n, k, 64, tile_k=fields.get("tile_k", 256))
+    return dataclasses.replace(base, **fields)
+
+
+def time_configs(out: list, ms, shapes, configs, mma_configs=()) -> None:
+    """Per (shape, M): bf16, the kernel `auto` ran before this one at that M (the Triton GEMV
+    at M <= 2, the wgmma kernel above), the GEMV's configs (M <= 2) and the MMA kernel's."""
     for k, n in shapes:
         copies, dense, qs = nf4_weight_copies(k, n)
         for m in ms:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             xs = distinct_copies(x, copies)
             res = dict(k=k, n=n, m=m, bf16=bf16_us(x, dense, k, n))
-            res["triton gemv_block_scaled"] = us_per_product(
-                lambda xs, qs: [ops.qmatmul(a, q, backend="pallas", variant="gemv_block_scaled")
-                                for a, q in zip(xs, qs)], (xs, qs), copies)
-            time_configs_into(res, "mgpu_gemv", configs, lambda t: _config(t, m, n, k), _gemv,
-                              xs, qs, copies)
+            for name in (("gemv_block_scaled",) if m <= 2 else ("mgpu_decoded_wgmma",)):
+                res[f"pallas {name}"] = us_per_product(
+                    lambda xs, qs, name=name: [ops.qmatmul(a, q, backend="pallas", variant=name)
+                                               for a, q in zip(xs, qs)], (xs, qs), copies)
+            if m <= mg.MAX_M:
+                time_configs_into(res, "mgpu_gemv", configs, lambda t: _config(t, m, n, k),
+                                  _gemv, xs, qs, copies)
+            time_configs_into(res, "mgpu_mma", mma_configs, lambda t: _mma_config(t, m, n, k),
+                              _mma, xs, qs, copies)
             record_row(res, out)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=("check", "time"))
+    ap.add_argument("part", choices=("check", "time", "smem-base"))
+    ap.add_argument("--extra", default="", help="check: config fields added to every case")
     ap.add_argument("--ms", default="1,2")
     ap.add_argument("--shapes", default=",".join(f"{k}:{n}" for k, n in SHAPES))
     ap.add_argument("--configs", default=";".join(CONFIGS))
+    ap.add_argument("--mma-configs", default="", help='MmaConfig texts, e.g. "default;stages=3"')
     a = ap.parse_args()
     out: list = []
     try:
         if a.part == "check":
-            check(out)
+            check(out, a.extra)
+        elif a.part == "smem-base":
+            smem_base(out)
         else:
             shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
-            time_configs(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"))
+            time_configs(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"),
+                         [t for t in a.mma_configs.split(";") if t])
     finally:
-        write_rows(out, f"mgpu_gemv_probe_{a.part}.json")
+        write_rows(out, f"mgpu_gemv_probe_{a.part.replace('-', '_')}.json")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ for case in "$@"; do
   regex=matmul_4bit_mgpu_kernel
   [ "$mode" = mgpu_t ] && regex=matmul_4bit_mgpu_t_kernel
   [ "$mode" = mgpu_gemv ] && regex=matmul_4bit_mgpu_gemv_kernel
+  [ "$mode" = mgpu_mma ] && regex=matmul_4bit_mgpu_mma_kernel
   [ "$mode" = dense ] && regex=.
   rep=/tmp/ncu_$tag
   timeout 240 $NCU --clock-control none -k regex:$regex --launch-skip 2 --launch-count 1 \

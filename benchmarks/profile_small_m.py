@@ -11,7 +11,8 @@ the exact table, `lookup=prmt` for the in-register lookup): `... profile_small_m
 arguments likewise): `... profile_small_m decoded_dot 2048 4096 4096 block_m=256`, and mgpu /
 mgpu_t (the Hopper Mosaic GPU kernels, forward and dx; Config / ConfigT fields as keywords):
 `ncu -k regex:matmul_4bit_mgpu_kernel ... profile_small_m mgpu 16 4096 14336 tile_m=16`, and
-mgpu_gemv (the Hopper pair-table GEMV, M <= 2; GemvConfig fields as keywords).
+mgpu_gemv (the Hopper pair-table GEMV, M <= 2; GemvConfig fields as keywords), and mgpu_mma
+(the Hopper pair-table MMA kernel, M <= 16; MmaConfig fields as keywords).
 
 Without preallocation off, ncu cannot save and restore device memory for kernel replay.
 """
@@ -65,20 +66,22 @@ def main(argv=None):
         else:  # dx = dy @ W: dy is (M, N)
             x = jax.device_put(rng.standard_normal((m, n), np.float32).astype(jnp.bfloat16))
             f = jax.jit(lambda dy: _mgpu_t(dy, q, _config_t(text)))
-    elif mode == "mgpu_gemv":
-        from benchmarks.mgpu_gemv_probe import _config as _gemv_config
-        from benchmarks.mgpu_gemv_probe import _gemv
+    elif mode in ("mgpu_gemv", "mgpu_mma"):
+        from benchmarks import mgpu_gemv_probe as probe
 
         w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
         q = quant.quantize_4bit(w, "nf4", 64, True)
         text = ",".join(f"{key}={v}" for key, v in cfg.items()) or "default"
-        f = jax.jit(lambda x: _gemv(x, q, _gemv_config(text, m, n, k)))
+        if mode == "mgpu_gemv":
+            f = jax.jit(lambda x: probe._gemv(x, q, probe._config(text, m, n, k)))
+        else:
+            f = jax.jit(lambda x: probe._mma(x, q, probe._mma_config(text, m, n, k)))
     elif mode == "dense":
         w = jax.device_put((rng.standard_normal((n, k), np.float32) * 0.02).astype(jnp.bfloat16))
         f = jax.jit(lambda x: jnp.dot(x, w.T))
     else:
         raise SystemExit(f"mode must be 'q' (NF4), 'int8', 'gemv', 'block_dot', 'decoded_dot', "
-                         f"'mgpu', 'mgpu_t', 'mgpu_gemv' or 'dense', got {mode!r}")
+                         f"'mgpu', 'mgpu_t', 'mgpu_gemv', 'mgpu_mma' or 'dense', got {mode!r}")
     for _ in range(5):
         jax.block_until_ready(f(x))
 

@@ -25,6 +25,7 @@ from pallas_kernels.matmul_4bit_decoded_dot import matmul_4bit_decoded_dot
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv
 from pallas_kernels.matmul_4bit_mgpu import Config, matmul_4bit_mgpu
 from pallas_kernels.matmul_4bit_mgpu_gemv import GemvConfig, matmul_4bit_mgpu_gemv
+from pallas_kernels.matmul_4bit_mgpu_mma import MmaConfig, matmul_4bit_mgpu_mma
 from pallas_kernels.matmul_4bit_mgpu_t import ConfigT, matmul_4bit_mgpu_t
 
 N, K = 256, 1024
@@ -38,6 +39,7 @@ CASES = (  # name, kernel, M, kwargs
     ("mgpu", matmul_4bit_mgpu, 128, dict(config=Config(tile_m=128))),
     ("mgpu split-K", matmul_4bit_mgpu, 16, dict(config=Config(tile_m=16, k_splits=2))),
     ("mgpu_gemv", matmul_4bit_mgpu_gemv, 1, dict(config=GemvConfig(k_splits=2))),
+    ("mgpu_mma", matmul_4bit_mgpu_mma, 16, dict(config=MmaConfig(k_splits=2))),
 )
 BACKWARD_CASES = (  # dx = dy @ W kernels, dy (M, N)
     ("mgpu_t", matmul_4bit_mgpu_t, 128, dict(config=ConfigT(tile_m=128))),

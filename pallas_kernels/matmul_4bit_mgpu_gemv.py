@@ -32,7 +32,8 @@ partials by shuffles; with K splits the fp32 partials are summed by XLA.
 
 Measured (H100, s17-10, ratio to the bf16 GEMV at 4096x4096 / 4096x14336 / 14336x4096): M = 1
 0.60 / 0.47 / 0.45 (Triton GEMV 0.71 / 0.63 / 0.62), M = 2 0.68 / 0.48 / 0.50 (0.97 / 0.70 /
-0.75). Versions and what limits it: benchmarks/results/README.md, session 17.
+0.75). Versions and what limits it: benchmarks/results/README.md, sessions 17 and 18. Since
+session 18 `auto` runs it at M = 1 only; `matmul_4bit_mgpu_mma` (tensor cores) takes M = 2.
 
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` re-runs the
 kernel's thread mapping, table layout and block sums in numpy against the reference, the PTX
@@ -81,6 +82,10 @@ class GemvConfig:
     # step wins at 4096x4096 (2 steps a CTA: the staging is one more round trip before the
     # first), the rest is within run-to-run spread
     staged_scales: bool = False
+    # True: a step loads the 16-byte chunks of all its rows first, then runs word q of every
+    # row before word q + 1 (the rows' fma chains are independent: more loads in flight per
+    # warp), and applies the scales last. False: row by row. Same sums in the same order.
+    interleave: bool = False
 
     @property
     def wg_rows(self) -> int:
@@ -159,15 +164,17 @@ def available() -> bool:
 def word_ptx(m: int) -> str:
     """One 32-bit word of 4 packed bytes (8 weights) of one row, for m rows of x.
     $0..$(2m-1): the running even / odd sums of each x row (tied to the last 2m inputs);
-    then the word, the lane's table address, and per x row its 4 even then 4 odd values."""
+    then the word, the lane's table address, and per x row its 4 even then 4 odd values.
+    (One prmt putting the byte into bits 8-15 of the lane's address would save the add, but
+    needs the table 64 KiB-aligned: Mosaic's shared memory starts at 3072 on the H100, s18-2,
+    `benchmarks.mgpu_gemv_probe smem-base`.)"""
     n_out = 2 * m
     w, tb = f"${n_out}", f"${n_out + 1}"
     xv = lambda r, i: f"${n_out + 2 + 8 * r + i}"  # i < 4: even column of byte i; else odd
     lines = ["{", ".reg .b32 z, a<4>;", ".reg .f32 h<4>, l<4>;", "mov.b32 z, 0;"]
-    for i in range(4):  # byte i -> i << 8: the entry's offset (256 bytes an entry)
-        lines.append(f"prmt.b32 a{i}, {w}, z, 0x44{i}4;")
-    for i in range(4):
-        lines.append(f"add.u32 a{i}, a{i}, {tb};")
+    # byte i -> i << 8: the entry's offset (256 bytes an entry), plus the lane's address
+    lines += [f"prmt.b32 a{i}, {w}, z, 0x44{i}4;" for i in range(4)]
+    lines += [f"add.u32 a{i}, a{i}, {tb};" for i in range(4)]
     for i in range(4):
         lines.append(f"ld.shared.v2.f32 {{h{i}, l{i}}}, [a{i}];")
     for r in range(m):
@@ -254,7 +261,7 @@ def emulate(x, packed, absmax, code, *, blocksize: int, cfg: GemvConfig = GemvCo
         for d in (1, 2, 4):  # shfl.bfly over the row's 8 lanes
             partial = (partial + partial[:, :, np.arange(8) ^ d]).astype(np.float32)
         parts.append(partial[:, :, 0])
-    return np.sum(np.stack(parts), axis=0, dtype=np.float32)
+    return np.sum(np.stack(parts), axis=0, dtype=np.float32)  # XLA's order may differ
 
 
 # --------------------------------------------------------------------------- Mosaic pieces
@@ -283,6 +290,38 @@ def _smem_address(ref):
     from jax._src.lib.mlir.dialects import llvm
     *_, mu = mosaic_modules()
     return llvm.ptrtoint(ir.IntegerType.get_signless(32), mu.memref_ptr(ref))
+
+
+def scale_loaders(nested: bool, cols: int):
+    """(nest_operands, load_scale) for Mosaic pieces that read the scales from global memory:
+    nest_operands(nest_refs) loads the double-quant offset once, load_scale(src_ref, nest, row,
+    col) reads one absmax (index values into a window of the (N, cols) scales) and de-nests it
+    (bitsandbytes' nesting: groups of 256 consecutive scales)."""
+    _, _, _, ir, arith, memref, _, _ = mosaic_modules()
+    i32 = lambda: ir.IntegerType.get_signless(32)
+    cidx = lambda v: arith.constant(ir.IndexType.get(), v)
+    as_idx = lambda v: arith.index_cast(ir.IndexType.get(), v)
+
+    def nest_operands(nest_refs):
+        """(nested_code ref, nested_absmax ref, the offset loaded once) for `load_scale`."""
+        if not nested:
+            return ()
+        ncode_ref, nabs_ref, off_ref = nest_refs
+        return ncode_ref, nabs_ref, memref.load(off_ref, [cidx(0)])
+
+    def load_scale(src_ref, nest, row, col):
+        if not nested:
+            return memref.load(src_ref, [row, col])
+        ncode_ref, nabs_ref, off = nest
+        first = memref.extract_strided_metadata(src_ref)[1]
+        code_v = as_idx(arith.extui(i32(), memref.load(src_ref, [row, col])))
+        group = arith.divui(arith.addi(first, arith.addi(arith.muli(row, cidx(cols)), col)),
+                            cidx(256))
+        nc = memref.load(ncode_ref, [code_v])
+        na = memref.load(nabs_ref, [group])
+        return _asm(DENEST_PTX, [nc, na, off], "f")[0]
+
+    return nest_operands, load_scale
 
 
 def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, nested: bool,
@@ -326,20 +365,7 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
             _asm(STORE_PAIR_PTX, [arith.addi(base, c32(1024 * i)), hi[i // 4], lo[i % 4]])
         _asm(f"bar.sync {TABLE_BARRIER}, {128 * cfg.wgs};", [])
 
-    def load_scale(src_ref, nest_refs, row, col):
-        """absmax of (row, col) of a scale window in global memory (index values), de-nested
-        for double quant (bitsandbytes' nesting: groups of 256 consecutive scales)."""
-        if not nested:
-            return memref.load(src_ref, [row, col])
-        ncode_ref, nabs_ref, off_ref = nest_refs
-        first = memref.extract_strided_metadata(src_ref)[1]
-        code_v = as_idx(arith.extui(i32(), memref.load(src_ref, [row, col])))
-        group = arith.divui(arith.addi(first, arith.addi(arith.muli(row, cidx(cols)), col)),
-                            cidx(256))
-        nc = memref.load(ncode_ref, [code_v])
-        na = memref.load(nabs_ref, [group])
-        off = memref.load(off_ref, [cidx(0)])
-        return _asm(DENEST_PTX, [nc, na, off], "f")[0]
+    nest_operands, load_scale = scale_loaders(nested, cols)
 
     def stage_scales(ctx, src_ref, *rest):
         """This warpgroup's scales of the tile (wg_rows x split_cols, global) into shared
@@ -352,12 +378,13 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
         tid, *_ = thread()
         total = wg_rows * split_cols
         mu.warpgroup_barrier()  # the previous tile's steps are done reading dst
+        nest = nest_operands(nest_refs)
         vals = []
         for i in range(-(-total // 128)):
             e = arith.minui(arith.addi(tid, c32(128 * i)), c32(total - 1))  # tail: repeats
             row = as_idx(arith.divui(e, c32(split_cols)))
             col = as_idx(arith.remui(e, c32(split_cols)))
-            vals.append((row, col, load_scale(src_ref, nest_refs, row, col)))
+            vals.append((row, col, load_scale(src_ref, nest, row, col)))
         for row, col, v in vals:
             memref.store(v, dst_ref, [arith.addi(arith.muli(row, cidx(s_stride)), col)])
         mu.warpgroup_barrier()
@@ -386,33 +413,55 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
             scales = [_asm("ld.shared.f32 $0, [$1];", [arith.addi(sb, c32(64 * s_stride * j))],
                            "f", side_effects=True)[0] for j in range(rpt)]
         else:  # all the step's scale loads first: their latency overlaps the x and row work
-            scales = [load_scale(s_ref, nest_refs, as_idx(arith.addi(r0, c32(16 * j))),
-                                 as_idx(blk)) for j in range(rpt)]
-        xs = []  # per x row: 32 f32, column 2 p at 2 p, 2 p + 1 at 2 p + 1
-        for r in range(m):
-            vals = []
-            for q in range(4):
-                vals += [arith.bitcast(f32, v) for v in _asm(
+            nest = nest_operands(nest_refs)
+            scales = [load_scale(s_ref, nest, as_idx(arith.addi(r0, c32(16 * j))), as_idx(blk))
+                      for j in range(rpt)]
+
+        def x_word(q):
+            """x's 8 columns of word q per x row, as word_ptx takes them: 4 even, 4 odd."""
+            out = []
+            for r in range(m):
+                v = [arith.bitcast(f32, w) for w in _asm(
                     x_ptx(dtype), [arith.addi(xb, c32(r * TILE_K * 2 + 16 * q))], "r" * 8,
                     side_effects=True)]
-            xs.append(vals)
+                out += v[0::2] + v[1::2]
+            return out
+
+        def row_words(j):
+            return _asm(LOAD_WORDS_PTX, [arith.addi(wb, c32(16 * j * TILE_K // 2))], "rrrr",
+                        side_effects=True)
+
+        program = word_ptx(m)
+        zero = arith.constant(f32, 0.0)
         (vec,) = acc.registers.flat
         accs = [vector.extract(vec, [], [i]) for i in range(rpt * m)]
-        zero = arith.constant(f32, 0.0)
-        for j in range(rpt):
-            s = scales[j]
-            words = _asm(LOAD_WORDS_PTX, [arith.addi(wb, c32(16 * j * TILE_K // 2))], "rrrr",
-                         side_effects=True)
-            sums = [zero] * (2 * m)
-            for q in range(4):
-                xq = [v for r in range(m)
-                      for v in ([xs[r][8 * q + 2 * i] for i in range(4)]
-                                + [xs[r][8 * q + 2 * i + 1] for i in range(4)])]
-                sums = _asm(word_ptx(m), [words[q], tb, *xq, *sums], "f" * (2 * m), tied=2 * m)
+
+        def scale_row(j, sums):
+            """acc += absmax * (even + odd) of row j, per x row."""
             for r in range(m):
                 block_sum = arith.addf(sums[2 * r], sums[2 * r + 1])
                 i = r * rpt + j
-                accs[i] = _asm("fma.rn.f32 $0, $1, $2, $3;", [block_sum, s, accs[i]], "f")[0]
+                accs[i] = _asm("fma.rn.f32 $0, $1, $2, $3;", [block_sum, scales[j], accs[i]],
+                               "f")[0]
+
+        if cfg.interleave:  # all rows' chunks, then word q of every row (independent chains)
+            words = [row_words(j) for j in range(rpt)]
+            sums = [[zero] * (2 * m) for _ in range(rpt)]  # row j: even / odd sum per x row
+            for q in range(4):
+                xq = x_word(q)
+                for j in range(rpt):
+                    sums[j] = _asm(program, [words[j][q], tb, *xq, *sums[j]], "f" * (2 * m),
+                                   tied=2 * m)
+            for j in range(rpt):
+                scale_row(j, sums[j])
+        else:  # x first (32 columns per x row), then row by row
+            xw = [x_word(q) for q in range(4)]
+            for j in range(rpt):
+                words, sums = row_words(j), [zero] * (2 * m)
+                for q in range(4):
+                    sums = _asm(program, [words[q], tb, *xw[q], *sums], "f" * (2 * m),
+                                tied=2 * m)
+                scale_row(j, sums)
         new = vector.from_elements(ir.VectorType.get((rpt * m,), f32), accs)
         return fa.FragmentedArray(_registers=np.asarray([new], dtype=object), _layout=layout,
                                   _is_signed=None)
@@ -441,6 +490,7 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
     ref = plgpu.RefType()
     n_nest = 3 if nested else 0
     return dict(
+
         build_table=plgpu.inline_mgpu(arg_types=(ref, ref), return_type=None)(build_table),
         stage_scales=plgpu.inline_mgpu(arg_types=(ref,) * (2 + n_nest),
                                        return_type=None)(stage_scales),
@@ -529,6 +579,18 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: GemvConfig, out
     return jnp.sum(y, axis=0) if splits > 1 else y
 
 
+def scale_operands(absmax, nested, n: int, k: int, blocksize: int):
+    """(scales, nest) as the pair-table kernels take them: with double quant the uint8 codes as
+    stored, (N, K / blocksize), and nest = (nested_code, nested_absmax, offset (1,)) in f32
+    (de-nested in the kernel); else the f32 absmax and None."""
+    if nested is None:
+        return jnp.asarray(absmax, jnp.float32), None
+    nested_absmax, nested_code, offset = nested
+    return absmax.reshape(n, k // blocksize), (
+        jnp.asarray(nested_code, jnp.float32), jnp.asarray(nested_absmax, jnp.float32),
+        jnp.reshape(offset, (1,)).astype(jnp.float32))
+
+
 def matmul_4bit_mgpu_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                           interpret: bool = False, nested=None, config: GemvConfig | None = None):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 2 on a Hopper GPU. x bf16/f16; packed
@@ -549,13 +611,7 @@ def matmul_4bit_mgpu_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=
     problem = shape_problem(m, n, k, blocksize, cfg)
     if problem:
         raise ValueError(f"{what}: {problem}")
-    if nested is not None:
-        nested_absmax, nested_code, offset = nested
-        scales = absmax.reshape(n, k // blocksize)  # the uint8 codes as stored
-        nest = (jnp.asarray(nested_code, jnp.float32), jnp.asarray(nested_absmax, jnp.float32),
-                jnp.reshape(offset, (1,)).astype(jnp.float32))
-    else:
-        scales, nest = jnp.asarray(absmax, jnp.float32), None
+    scales, nest = scale_operands(absmax, nested, n, k, blocksize)
     y = _call(x, packed, scales, jnp.asarray(code, jnp.float32), nest, blocksize=blocksize,
               cfg=cfg, out_dtype=out_dtype)
     return y.astype(out_dtype)

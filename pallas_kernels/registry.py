@@ -50,6 +50,7 @@ _MODULES = (
     "pallas_kernels.matmul_4bit_mgpu",
     "pallas_kernels.matmul_4bit_mgpu_t",
     "pallas_kernels.matmul_4bit_mgpu_gemv",
+    "pallas_kernels.matmul_4bit_mgpu_mma",
     "pallas_kernels.matmul_4bit_t",
     "pallas_kernels.matmul_int8",
     "pallas_kernels.matmul_int8_gemv",

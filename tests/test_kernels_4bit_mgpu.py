@@ -349,10 +349,12 @@ def test_auto_picks_the_mosaic_kernel_on_hopper(monkeypatch):
     w = jax.random.normal(jax.random.key(0), (256, 512)) * 0.1
     q = quant.quantize_4bit(w, "nf4", 64, True)
     plan = lambda m, dtype="bfloat16": backends.choose_plan(q, m, "auto", dtype=dtype)
-    assert plan(1) == plan(2) == backends.Plan("pallas", "mgpu_gemv_pair_table",
-                                               "mgpu_decoded_wgmma_t")
+    assert plan(1) == backends.Plan("pallas", "mgpu_gemv_pair_table", "mgpu_decoded_wgmma_t")
     assert plan(1, "float32").fwd == "gemv_block_scaled"  # the Hopper GEMV takes 16-bit x
-    for m in (3, 16, 64, 65, 128):
+    for m in (2, 3, 16):
+        assert plan(m) == backends.Plan("pallas", "mgpu_mma_pair_table", "mgpu_decoded_wgmma_t")
+    assert plan(2, "float32").fwd == "gemv_block_scaled"
+    for m in (17, 64, 65, 128):
         assert plan(m) == backends.Plan("pallas", "mgpu_decoded_wgmma", "mgpu_decoded_wgmma_t")
         assert plan(m, "float16").fwd == "mgpu_decoded_wgmma"
     for m in (129, 1024):
@@ -363,6 +365,9 @@ def test_auto_picks_the_mosaic_kernel_on_hopper(monkeypatch):
     assert plan(16, None).fwd == "block_scaled_dot_prmt"
     q100 = quant.quantize_4bit(w[:100], "nf4", 64, True)  # N not a multiple of 128
     assert backends.choose_plan(q100, 16, "auto", dtype="bfloat16").fwd == "block_scaled_dot_prmt"
+    q128 = quant.quantize_4bit(w[:128], "nf4", 64, True)  # N a multiple of 128, not of 256
+    assert backends.choose_plan(q128, 16, "auto", dtype="bfloat16").fwd == "mgpu_decoded_wgmma"
+    assert backends.choose_plan(q128, 2, "auto", dtype="bfloat16").fwd == "gemv_block_scaled"
     monkeypatch.setattr(backends, "mgpu_available", lambda: False)
     assert plan(128) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")
     with pytest.raises(backends.BackendError, match="Hopper GPU only"):

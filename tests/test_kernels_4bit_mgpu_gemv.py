@@ -85,22 +85,25 @@ def _run(ptx: str, operands: dict[int, np.ndarray], outs: list[int], smem: np.nd
     return [regs[f"${i}"] for i in outs]
 
 
-def _table_bytes(code) -> np.ndarray:
-    """The kernel's table as shared-memory bytes (build_table's stores: (code[hi], code[lo]) at
-    `table_offset(byte, lane)`)."""
+def _table_bytes(code, base: int = 0) -> np.ndarray:
+    """Shared memory holding the kernel's table at byte `base` (build_table's stores:
+    (code[hi], code[lo]) at `table_offset(byte, lane)`), zeros around it."""
     table = np.zeros(mg.TABLE_FLOATS, np.float32)
     b, lane = np.meshgrid(np.arange(256), np.arange(mg.LANES), indexing="ij")
     off = mg.table_offset(b, lane) // 4
     table[off], table[off + 1] = np.asarray(code, np.float32)[b >> 4], np.asarray(code)[b & 15]
-    return table.view(np.uint8)
+    return np.concatenate([np.zeros(base, np.uint8), table.view(np.uint8),
+                           np.zeros(4096, np.uint8)])
 
 
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_word_program_is_two_fma_chains_over_table_pairs(m, quant_type):
+@pytest.mark.parametrize("base", [0, 3072])
+def test_word_program_is_two_fma_chains_over_table_pairs(m, quant_type, base):
     """word_ptx on random words, lanes, x and running sums: byte i of the word adds
     x_even[i] * code[hi] to the even sum and x_odd[i] * code[lo] to the odd one, in byte order,
-    one rounding each; each lane reads its own copy of the table."""
+    one rounding each; each lane reads its own copy of the table, which starts at `base` (3072:
+    where Mosaic's shared memory starts on the H100, s18-2)."""
     code = tables.code_4bit(quant_type)
     rng = np.random.default_rng(m)
     lanes = 64
@@ -108,13 +111,13 @@ def test_word_program_is_two_fma_chains_over_table_pairs(m, quant_type):
     word = rng.integers(0, 2**32, lanes, dtype=np.uint64).astype(np.uint32)
     x = rng.standard_normal((lanes, m, 8)).astype(np.float32)
     sums = rng.standard_normal((lanes, 2 * m)).astype(np.float32)
-    ops_ = {2 * m: word, 2 * m + 1: mg.table_offset(0, lane).astype(np.uint32)}
+    ops_ = {2 * m: word, 2 * m + 1: (base + mg.table_offset(0, lane)).astype(np.uint32)}
     for r in range(m):
         for i in range(8):
             ops_[2 * m + 2 + 8 * r + i] = x[:, r, i].view(np.uint32)
     for i in range(2 * m):  # tied: the outputs start as these
         ops_[i] = sums[:, i].view(np.uint32)
-    got = _run(mg.word_ptx(m), ops_, list(range(2 * m)), _table_bytes(code))
+    got = _run(mg.word_ptx(m), ops_, list(range(2 * m)), _table_bytes(code, base))
     want = sums.copy()
     for i in range(4):
         byte = (word >> (8 * i)) & 0xFF
@@ -138,10 +141,12 @@ def test_x_program_widens_eight_values_in_order(dtype):
 
 
 # ----------------------------------------------------------------------------- emulation
-def _problem(m, n, k, bs, quant_type="nf4", seed=0, x_dtype=jnp.bfloat16):
+def _problem(m, n, k, bs, quant_type="nf4", seed=0, x_dtype=jnp.bfloat16, nested=True):
+    """(weight, x, packed (N, K / 2), f32 absmax (N, K / bs)) of a random problem (also the
+    MMA kernel's tests')."""
     kw, kx = jax.random.split(jax.random.key(seed))
     w = jax.random.normal(kw, (n, k), jnp.float32) * 0.05
-    q = quant.quantize_4bit(w, quant_type, bs, True)
+    q = quant.quantize_4bit(w, quant_type, bs, nested)
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(x_dtype)
     absmax = quant.absmax_f32(q).reshape(n, k // bs)
     return q, x, q.packed.reshape(n, k // 2), absmax
@@ -228,6 +233,8 @@ def _lower(m, n, k, bs, cfg, dtype=jnp.bfloat16, nested=True):
     (2, 256, 2048, 512, mg.GemvConfig(k_splits=4, wgs=4), jnp.bfloat16, True),
     (1, 256, 1024, 64, mg.GemvConfig(k_splits=2, staged_scales=True), jnp.bfloat16, True),
     (2, 256, 1024, 128, mg.GemvConfig(staged_scales=True), jnp.float16, False),
+    (1, 512, 1024, 64, mg.GemvConfig(k_splits=2, interleave=True), jnp.bfloat16, True),
+    (2, 256, 1024, 64, mg.GemvConfig(interleave=True, staged_scales=True), jnp.float16, True),
 ])
 def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     """Pallas -> Mosaic GPU on a machine without a GPU: the pipeline, the inline functions and
@@ -243,13 +250,17 @@ def test_auto_picks_it_on_hopper_at_small_m(monkeypatch):
     monkeypatch.setattr(mg, "available", lambda: True)
     q = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", 64, True),
                        jax.ShapeDtypeStruct((4096, 4096), jnp.float32))
-    for m in (1, 2):
-        assert backends.choose_plan(q, m, "auto", dtype="bfloat16").fwd == "mgpu_gemv_pair_table"
+    assert backends.choose_plan(q, 1, "auto", dtype="bfloat16").fwd == "mgpu_gemv_pair_table"
     assert backends.choose_plan(q, 1, "auto", dtype="float32").fwd == "gemv_block_scaled"
-    assert backends.choose_plan(q, 3, "auto", dtype="bfloat16").fwd == "mgpu_decoded_wgmma"
+    for m in (2, 3):  # the pair-table MMA kernel from M = 2 (test_kernels_4bit_mgpu_mma)
+        assert backends.choose_plan(q, m, "auto", dtype="bfloat16").fwd == "mgpu_mma_pair_table"
+    q32 = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", 32, True),
+                         jax.ShapeDtypeStruct((4096, 4096), jnp.float32))  # blocksize 32
+    assert backends.choose_plan(q32, 2, "auto", dtype="bfloat16").fwd == "mgpu_gemv_pair_table"
     odd = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", 64, True),
                          jax.ShapeDtypeStruct((384, 4096), jnp.float32))  # N % 256 != 0
-    assert backends.choose_plan(odd, 1, "auto", dtype="bfloat16").fwd == "gemv_block_scaled"
+    for m in (1, 2):
+        assert backends.choose_plan(odd, m, "auto", dtype="bfloat16").fwd == "gemv_block_scaled"
     with pytest.raises(backends.BackendError, match="Hopper"):
         backends.choose_plan(q, 1, "interpret", variant="mgpu_gemv_pair_table")
 
@@ -267,6 +278,10 @@ gpu = pytest.mark.skipif(not mg.available(), reason="needs a Hopper GPU and Mosa
     (1, 512, 3584, 64, "nf4", jnp.bfloat16, mg.GemvConfig(k_splits=7, stages=3)),
     (2, 256, 3584, 64, "nf4", jnp.bfloat16, mg.GemvConfig(k_splits=2, staged_scales=True)),
     (1, 256, 1024, 512, "fp4", jnp.float16, mg.GemvConfig(staged_scales=True)),
+    (1, 512, 2048, 64, "nf4", jnp.bfloat16, mg.GemvConfig(k_splits=2, interleave=True)),
+    (2, 256, 1024, 64, "fp4", jnp.float16, mg.GemvConfig(interleave=True, staged_scales=True)),
+    (2, 512, 3584, 64, "fp4", jnp.bfloat16,
+     mg.GemvConfig(k_splits=2, interleave=True, staged_scales=True)),
 ])
 def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     """fp32 outputs: the emulation of the kernel's order (tight) and the reference."""

@@ -60,6 +60,16 @@ MGPU_T_MAX_M_4BIT = 128
 # H100, session 17, s17-10 (results/..._s17_mgpu_gemv_staged_vs_step_time.json; ratios to bf16
 # at 4096x4096 / 4096x14336 / 14336x4096, same run): M = 1 0.603 / 0.473 / 0.451 against the
 # Triton GEMV's 0.714 / 0.632 / 0.620; M = 2 0.681 / 0.483 / 0.503 against 0.969 / 0.701 / 0.749.
+# 4-bit on Hopper with 16-bit x, MGPU_MMA_MIN_M_4BIT <= M <= MGPU_MMA_MAX_M_4BIT: the Mosaic GPU
+# pair-table MMA kernel (mgpu_mma_pair_table: one shared-memory load turns a byte into an
+# mma.sync operand word; codes rounded to x's dtype, absmax applied to fp32 group sums). H100,
+# session 18, s18-6 (results/..._s18_mma_tile_k_time.json; ratios to bf16 at 4096x4096 /
+# 4096x14336 / 14336x4096, same run): M = 2 0.648 / 0.509 / 0.458 against the pair-table
+# GEMV's 0.680 / 0.518 / 0.503; M = 8 0.667 / 0.503 / 0.484 against mgpu_decoded_wgmma's 0.857
+# / 0.730 / 0.710; M = 16 0.706 / 0.540 / 0.536 against 0.713 / 0.640 / 0.655. At M = 1 the
+# GEMV stays (0.605 / 0.466 / 0.452 against 0.635 / 0.504 / 0.451).
+MGPU_MMA_MIN_M_4BIT = 2
+MGPU_MMA_MAX_M_4BIT = 16
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
@@ -75,6 +85,7 @@ DEFAULT_4BIT_FWD_BLOCK_DOT = "block_scaled_dot_prmt"
 DEFAULT_4BIT_FWD_DECODED_DOT = "decoded_dot_prmt"
 DEFAULT_4BIT_FWD_MGPU = "mgpu_decoded_wgmma"
 DEFAULT_4BIT_FWD_MGPU_GEMV = "mgpu_gemv_pair_table"
+DEFAULT_4BIT_FWD_MGPU_MMA = "mgpu_mma_pair_table"
 DEFAULT_4BIT_BWD_MGPU = "mgpu_decoded_wgmma_t"
 DEFAULT_4BIT_BWD_LARGE = "dequant_dot_t"
 DEFAULT_4BIT_BWD_SMALL = "dequant_dot_t"
@@ -128,15 +139,20 @@ def _kernel_shape_problem(q) -> str | None:
     return None
 
 
-def _mgpu_fits(q: Weight4bit, m: int, dtype, backward: bool = False, gemv: bool = False) -> bool:
+def _mgpu_fits(q: Weight4bit, m: int, dtype, backward: bool = False, gemv: bool = False,
+               mma: bool = False) -> bool:
     """Whether the Mosaic GPU kernels take this product: Hopper, 16-bit operands, their shapes,
     and M in the range where they measured faster."""
-    from pallas_kernels import matmul_4bit_mgpu, matmul_4bit_mgpu_gemv, matmul_4bit_mgpu_t
+    from pallas_kernels import (
+        matmul_4bit_mgpu, matmul_4bit_mgpu_gemv, matmul_4bit_mgpu_mma, matmul_4bit_mgpu_t)
 
     n, k, bs = q.shape[0], q.shape[1], q.blocksize
     if dtype not in ("bfloat16", "float16"):
         return False
-    if gemv:
+    if mma:
+        fits = (MGPU_MMA_MIN_M_4BIT <= m <= MGPU_MMA_MAX_M_4BIT
+                and matmul_4bit_mgpu_mma.supports(m, n, k, bs))
+    elif gemv:
         fits = m <= GEMV_MAX_M_4BIT and matmul_4bit_mgpu_gemv.supports(m, n, k, bs)
     elif backward:
         fits = m <= MGPU_T_MAX_M_4BIT and matmul_4bit_mgpu_t.supports_t(m, n, k, bs)
@@ -148,7 +164,9 @@ def _mgpu_fits(q: Weight4bit, m: int, dtype, backward: bool = False, gemv: bool 
 def _variants_for(q, m: int, numerics: str, dtype: str | None) -> tuple[str, str]:
     if isinstance(q, Weight4bit):
         fwd, bwd = _variants_4bit(m)
-        if _mgpu_fits(q, m, dtype):
+        if _mgpu_fits(q, m, dtype, mma=True):
+            fwd = DEFAULT_4BIT_FWD_MGPU_MMA
+        elif _mgpu_fits(q, m, dtype):
             fwd = DEFAULT_4BIT_FWD_MGPU
         elif _mgpu_fits(q, m, dtype, gemv=True):
             fwd = DEFAULT_4BIT_FWD_MGPU_GEMV
@@ -205,7 +223,8 @@ def choose_plan(q, m: int, backend: str, *, variant: str | None = None, numerics
     if variant is not None:
         fwd = variant
     _check_variant(fwd, q, m)
-    if fwd in (DEFAULT_4BIT_FWD_MGPU, DEFAULT_4BIT_FWD_MGPU_GEMV, DEFAULT_4BIT_BWD_MGPU) and (
+    if fwd in (DEFAULT_4BIT_FWD_MGPU, DEFAULT_4BIT_FWD_MGPU_GEMV, DEFAULT_4BIT_FWD_MGPU_MMA,
+               DEFAULT_4BIT_BWD_MGPU) and (
             backend == "interpret" or not mgpu_available()):
         raise BackendError(f"kernel variant {fwd!r} runs on a Hopper GPU only (Mosaic GPU, "
                            "inline PTX; no interpret mode)")

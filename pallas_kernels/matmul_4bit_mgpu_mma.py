@@ -1,0 +1,469 @@
+"""4-bit product for small M on Hopper (Mosaic GPU): y = x @ dequant(W).T, each packed byte
+decoded by one shared-memory load straight into a tensor-core operand (mma.sync m16n8k16).
+
+Why: the pair-table GEMV (`matmul_4bit_mgpu_gemv`) spends two fp32 fma per weight and runs at
+about 4 instructions per weight; the wgmma kernel (`matmul_4bit_mgpu`) decodes with byte
+permutes at 6.1 instructions per weight (H100 ncu, s15-s17). Both are issue-bound at M <= 16.
+Here a byte's two codes come as one 32-bit word of two 16-bit codes, (code[hi], code[lo]) in
+x's dtype, from a 256-entry pair table replicated per lane (entry b of lane l at byte
+256 b + 4 l: conflict-free whatever the bytes), and that word *is* one register of the A
+fragment of an m16n8k16 MMA: the multiply-adds run on the tensor core. Per byte: prmt, add, one
+load; the scale is applied to each 64-column group's fp32 MMA result (one fma per output), so
+the table holds the bare codes.
+
+Numerics: the codes are rounded to x's dtype (bf16: relative error <= 2^-9 per code), the
+products and sums are the tensor core's fp32, and absmax multiplies each 64-column group's
+sum in fp32. bitsandbytes instead rounds code * absmax to x's dtype (the same size of error, not
+the same bits). Oracle: `matmul_4bit_mma_reference` (codes rounded the same way).
+
+Layout: a CTA takes 256 weight rows (two compute warpgroups, four warps each, 32 rows a warp:
+two m16 tiles) of one K split; a memory warpgroup streams (256 rows x 128 bytes) weight tiles
+and (M x 256) x tiles with TMA (the GEMV's pipeline). The MMA's K order is permuted within each
+64-column group so that lane (g, t) of a warp loads 8 contiguous bytes of its rows, g and g + 8:
+k16 step s of group q takes bytes 8 t + 2 s (columns 2t, 2t + 1 of the MMA) and 8 t + 2 s + 1
+(columns 2t + 8, 2t + 9), i.e. weight columns 64 q + 16 t + 4 s + (0, 1) and (2, 3); the x
+fragment follows the same order, so lane (g, t) reads x columns 64 q + 16 t .. + 15 of token g
+(tokens 8..15 a second n8 tile). K splits are summed by XLA, as in the GEMV.
+
+Measured (H100, s18-6, ratio to bf16 at 4096x4096 / 4096x14336 / 14336x4096): M = 2 0.65 /
+0.51 / 0.46 (the pair-table GEMV 0.68 / 0.52 / 0.50), M = 8 0.67 / 0.50 / 0.48
+(`mgpu_decoded_wgmma` 0.86 / 0.73 / 0.71), M = 16 0.71 / 0.54 / 0.54 (0.71 / 0.64 / 0.66); M = 1
+0.64 / 0.50 / 0.45, where `auto` keeps the GEMV. The time is nearly flat in M up to 8: what
+holds a step at about 2.5 us is not measured yet (benchmarks/results/README.md, session 18).
+
+Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` (the same
+groups and order in float64 sums) against the reference, the lookup program in the tests' PTX
+interpreter, and CUDA lowering.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.dequantize_4bit import check_4bit_weight, supports_4bit
+from pallas_kernels.matmul_4bit import check_x
+from pallas_kernels.matmul_4bit_mgpu_gemv import (
+    LANES, TABLE_BARRIER, _asm, _smem_address, scale_loaders, scale_operands)
+from pallas_kernels.mgpu_decode import mosaic_modules
+from pallas_kernels.mgpu_pipeline import SMEM_LIMIT, SMS, sm_count, warp_specialized
+from pallas_kernels.registry import Variant
+
+MAX_M = 16  # two n8 tiles of tokens
+GROUP = 64  # weight columns of one scale group: four k16 MMAs
+TABLE_BYTES = 256 * 256  # entry b at 256 b, lane l's copy at + 4 l (half of each entry unused)
+
+
+TILE_KS = (256, 512, 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaConfig:
+    """A step is a (cta_rows x tile_k) weight tile, 32 KiB packed. tile_k = 256: each compute
+    warpgroup takes 128 of the CTA's 256 rows (128 bytes of a row a step); 512 / 1024: both
+    warpgroups take all of the CTA's 128 / 64 rows, each half of the step's columns (256 / 512
+    contiguous bytes of a row a step), their fp32 partials summed by XLA like K splits."""
+    k_splits: int = 1  # K ranges computed by separate CTAs; fp32 partials summed by XLA
+    stages: int = 2  # pipeline depth (32 KiB of weight a stage)
+    tile_k: int = 256
+
+    @property
+    def col_split(self) -> bool:
+        return self.tile_k > 256
+
+    @property
+    def m_tiles(self) -> int:  # m16 tiles a warp
+        return 1 if self.tile_k == 1024 else 2
+
+    @property
+    def wg_rows(self) -> int:
+        return 64 * self.m_tiles
+
+    @property
+    def cta_rows(self) -> int:
+        return self.wg_rows * (1 if self.col_split else 2)
+
+    @property
+    def wg_cols(self) -> int:  # weight columns a warpgroup takes a step
+        return self.tile_k // 2 if self.col_split else self.tile_k
+
+    @property
+    def partials(self) -> int:  # fp32 partial products XLA sums
+        return self.k_splits * (2 if self.col_split else 1)
+
+
+def n_tiles_of(m: int) -> int:
+    """n8 token tiles of the MMA."""
+    return -(-m // 8)
+
+
+def smem_bytes(m: int, cfg: MmaConfig) -> int:
+    up = lambda b: -(-b // 1024) * 1024
+    return (up(TABLE_BYTES) + up(cfg.stages * cfg.cta_rows * cfg.tile_k // 2)
+            + up(cfg.stages * m * cfg.tile_k * 2))
+
+
+def default_config(m: int, n: int, k: int, blocksize: int, tile_k: int = 256) -> MmaConfig:
+    """K splits: the most that divide the K steps, keep whole scale blocks and the CTAs within
+    one wave of SMs (the GEMV's rule)."""
+    del m
+    cfg = MmaConfig(tile_k=tile_k)
+    n_tiles, k_iters = n // cfg.cta_rows, k // tile_k
+    splits = 1
+    for d in range(1, k_iters + 1):
+        if k_iters % d == 0 and n_tiles * d <= SMS and (k // d) % blocksize == 0:
+            splits = d
+    return dataclasses.replace(cfg, k_splits=splits)
+
+
+def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: MmaConfig) -> str | None:
+    if not 1 <= m <= MAX_M:
+        return f"M ({m}) must be 1..{MAX_M}"
+    if cfg.tile_k not in TILE_KS:
+        return f"tile_k must be one of {TILE_KS}, got {cfg.tile_k}"
+    if n % cfg.cta_rows:
+        return f"N ({n}) must be a multiple of {cfg.cta_rows}"
+    if cfg.k_splits < 1 or k % (cfg.tile_k * cfg.k_splits):
+        return f"K ({k}) must be a multiple of {cfg.tile_k} x k_splits ({cfg.k_splits})"
+    if blocksize % GROUP:
+        return f"blocksize ({blocksize}) must be a multiple of {GROUP} (one scale a group)"
+    if cfg.wg_cols % blocksize and blocksize % cfg.wg_cols:
+        return f"blocksize ({blocksize}) and {cfg.wg_cols} columns must divide one another"
+    if (k // cfg.k_splits) % blocksize:
+        return f"each K split ({k // cfg.k_splits} columns) must hold whole scale blocks"
+    if not 2 <= cfg.stages <= 4:
+        return f"stages must be 2..4, got {cfg.stages}"
+    if smem_bytes(m, cfg) > SMEM_LIMIT:
+        return f"{cfg} needs {smem_bytes(m, cfg)} bytes of shared memory, more than {SMEM_LIMIT}"
+    return None
+
+
+def supports(m: int, n: int, k: int, blocksize: int) -> bool:
+    return (supports_4bit(m, n, k, blocksize)
+            and shape_problem(m, n, k, blocksize, default_config(m, n, k, blocksize)) is None)
+
+
+def available() -> bool:
+    from pallas_kernels import matmul_4bit_mgpu
+    return matmul_4bit_mgpu.available()
+
+
+# --------------------------------------------------------------------------- reference, emulation
+def matmul_4bit_mma_reference(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
+                              interpret: bool = False):
+    """The kernel's numerics in jnp: codes rounded to x's dtype, fp32 sums per 64-column group
+    times the group's absmax, fp32 total. x (M, K); absmax (N, K // blocksize) f32."""
+    del interpret
+    m, k = x.shape
+    n = packed.shape[0]
+    code_x = jnp.asarray(code, jnp.float32).astype(x.dtype).astype(jnp.float32)
+    p = jnp.asarray(packed, jnp.uint8)
+    w = jnp.stack([code_x[p >> 4], code_x[p & 15]], axis=-1).reshape(n, k // GROUP, GROUP)
+    sums = jnp.einsum("mgc,ngc->mng", x.astype(jnp.float32).reshape(m, k // GROUP, GROUP), w,
+                      precision=lax.Precision.HIGHEST)
+    scale = jnp.repeat(jnp.asarray(absmax, jnp.float32).reshape(n, k // blocksize),
+                       blocksize // GROUP, axis=1)
+    y = jnp.sum(sums * scale[None], axis=-1)
+    return y.astype(out_dtype or x.dtype)
+
+
+def mma_columns(t: int, s: int) -> tuple[int, int, int, int]:
+    """Weight columns (within a 64-column group) of MMA columns 2t, 2t + 1, 2t + 8, 2t + 9 of
+    k16 step s: lane t's bytes 8 t + 2 s and 8 t + 2 s + 1."""
+    c = 16 * t + 4 * s
+    return c, c + 1, c + 2, c + 3
+
+
+def emulate(x, packed, absmax, code, *, blocksize: int, cfg: MmaConfig = MmaConfig()):
+    """The kernel's sums in numpy: per row, K split and 64-column group, the group's products
+    (codes rounded to x's dtype) summed in float64 over the MMA's permuted column order (the
+    tensor core's fp32 sum order is its own), rounded to f32, times absmax and added to the
+    row's f32 total by one fma; splits summed last. x (M, K) in its 16-bit dtype."""
+    xf = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    code_x = np.asarray(jnp.asarray(code, jnp.float32).astype(jnp.asarray(x).dtype)
+                        .astype(jnp.float32), np.float64)
+    p = np.asarray(packed, np.uint8)
+    absmax = np.asarray(absmax, np.float32)
+    m, k = xf.shape
+    n = p.shape[0]
+    w = np.stack([code_x[p >> 4], code_x[p & 15]], axis=-1).reshape(n, k)
+    order = np.asarray([c for s in range(4) for t in range(4) for c in mma_columns(t, s)])
+    k_per = k // cfg.k_splits
+    parts = []
+    for split in range(cfg.k_splits):
+        total = np.zeros((m, n), np.float32)
+        for g0 in range(split * k_per, (split + 1) * k_per, GROUP):
+            cols = g0 + order
+            group_sum = (xf[:, cols] @ w[:, cols].T).astype(np.float32)
+            scale = absmax[:, g0 // blocksize][None]
+            total = (group_sum.astype(np.float64) * scale + total).astype(np.float32)
+        parts.append(total)
+    return np.sum(np.stack(parts), axis=0, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------- PTX programs
+def lookup_ptx() -> str:
+    """Two rows' 8 bytes of a group ($16, $17: row g; $18, $19: row g + 8) and the lane's
+    table address $20 -> $0..$15 = the A fragments of the group's 4 k16 steps, step s at
+    $4s..$4s+3 = (row g byte 2s, row g + 8 byte 2s, row g byte 2s + 1, row g + 8 byte 2s + 1)."""
+    lines = ["{", ".reg .b32 z, a;", "mov.b32 z, 0;"]
+    words = {"lo": ("$16", "$17"), "hi": ("$18", "$19")}
+    for s in range(4):
+        for i, (row, extra) in enumerate((("lo", 0), ("hi", 0), ("lo", 1), ("hi", 1))):
+            byte = 2 * s + extra
+            word = words[row][byte // 4]
+            lines.append(f"prmt.b32 a, {word}, z, 0x44{byte % 4}4;")  # byte << 8
+            lines.append("add.u32 a, a, $20;")
+            lines.append(f"ld.shared.b32 ${4 * s + i}, [a];")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def mma_ptx(dtype) -> str:
+    """D ($0..$3, f32) = A ($4..$7) . B ($8, $9) + C ($10..$13), m16n8k16, fp32 accumulate."""
+    t = {"bfloat16": "bf16", "float16": "f16"}[jnp.dtype(dtype).name]
+    return (f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{$0, $1, $2, $3}}, "
+            "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+
+LOAD_PAIR_PTX = "ld.shared.v2.u32 {$0, $1}, [$2];"
+LOAD_QUAD_PTX = "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];"
+
+
+# --------------------------------------------------------------------------- Mosaic pieces
+def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: MmaConfig):
+    _, _, _, ir, arith, memref, fa, mu = mosaic_modules()
+    from jax._src.lib.mlir.dialects import scf, vector
+    n8, mt = n_tiles_of(m), cfg.m_tiles
+    w_row, x_row = cfg.tile_k // 2, cfg.tile_k * 2  # bytes of a weight / x row of the tile
+    n_acc = mt * n8 * 4  # m16 tiles x n8 tiles x the 4 accumulators of a fragment
+    shape = (128 * n_acc,)
+    layout = fa.WGStridedFragLayout(shape, n_acc)
+    acc_arg = plgpu.Layout.WG_STRIDED(shape, vec_size=n_acc)
+    acc_type = plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=acc_arg)
+    i32 = lambda: ir.IntegerType.get_signless(32)
+    c32 = lambda v: arith.constant(i32(), v)
+    as_idx = lambda v: arith.index_cast(ir.IndexType.get(), v)
+    cvt = {"bfloat16": "cvt.rn.bf16x2.f32", "float16": "cvt.rn.f16x2.f32"}[jnp.dtype(dtype).name]
+    nest_operands, load_scale = scale_loaders(nested, cols)
+
+    def thread():
+        """(warp in the warpgroup, g = lane // 4, t = lane % 4, lane)"""
+        tid = arith.remui(mu.thread_idx(), c32(128))
+        lane = arith.remui(tid, c32(LANES))
+        return arith.divui(tid, c32(LANES)), arith.divui(lane, c32(4)), arith.remui(lane, c32(4)), lane
+
+    def build_table(ctx, table_ref, code_ref):
+        """The 256 x 32 words (code[b >> 4], code[b & 15]) in x's dtype, over the 256 compute
+        threads: warp w of the CTA writes bytes w + 8 i, each lane its own copy."""
+        del ctx
+        *_, lane = thread()
+        w = arith.divui(mu.thread_idx(), c32(LANES))  # 0..7 over both compute warpgroups
+        hi = [memref.load(code_ref, [as_idx(c32(v))]) for v in range(16)]
+        lo = [memref.load(code_ref, [as_idx(arith.addi(w, c32(8 * e)))]) for e in range(2)]
+        base = arith.addi(arith.addi(_smem_address(table_ref), arith.muli(lane, c32(4))),
+                          arith.muli(w, c32(256)))
+        for i in range(32):  # byte b = w + 8 i: hi nibble i // 2, lo nibble w + 8 (i % 2)
+            word = _asm(f"{cvt} $0, $1, $2;", [lo[i % 2], hi[i // 2]], "r")[0]
+            _asm("st.shared.b32 [$0], $1;", [arith.addi(base, c32(2048 * i)), word])
+        _asm(f"bar.sync {TABLE_BARRIER}, 256;", [])
+
+    def zeros(ctx):
+        del ctx
+        return fa.FragmentedArray.splat(arith.constant(ir.F32Type.get(), 0.0), shape, layout)
+
+    def step(ctx, w_ref, x_ref, table_ref, s_ref, *rest):
+        """One pipeline step: this warp's 16 mt rows of the warpgroup's (wg_rows, wg_cols)
+        part of the weight tile, wg_cols / 64 groups; s_ref: the part's window of the scales."""
+        del ctx
+        *nest_refs, acc = rest
+        f32 = ir.F32Type.get()
+        warp, g, t, lane = thread()
+        tb = arith.addi(_smem_address(table_ref), arith.muli(lane, c32(4)))
+        row0 = arith.addi(arith.muli(warp, c32(16 * mt)), g)  # row g of m16 tile 0
+        wb = arith.addi(_smem_address(w_ref),
+                        arith.addi(arith.muli(row0, c32(w_row)), arith.muli(t, c32(8))))
+        xb = arith.addi(_smem_address(x_ref), arith.muli(t, c32(32)))
+        nest = nest_operands(nest_refs)
+        (vec,) = acc.registers.flat
+        accs = [vector.extract(vec, [], [i]) for i in range(n_acc)]
+        zero = arith.constant(f32, 0.0)
+        groups = cfg.wg_cols // GROUP
+        # all the step's scale loads first (rows g, g + 8 of each m16 tile and group): their
+        # global-memory latency then overlaps the step's lookups and MMAs
+        scales = [[load_scale(s_ref, nest, as_idx(arith.addi(row0, c32(16 * i + 8 * e))),
+                              as_idx(c32((GROUP * q) // blocksize))) for i in range(mt)
+                   for e in range(2)] for q in range(groups)]
+        for q in range(groups):
+            bfrag = []  # per n8 tile: 8 words, step s at (2 s, 2 s + 1)
+            for h in range(n8):  # token 8 h + g, clamped to x's last row (unused results)
+                tok = arith.minui(arith.addi(g, c32(8 * h)), c32(m - 1))
+                xa = arith.addi(xb, arith.addi(arith.muli(tok, c32(x_row)), c32(128 * q)))
+                bfrag.append(_asm(LOAD_QUAD_PTX, [xa], "rrrr", side_effects=True)
+                             + _asm(LOAD_QUAD_PTX, [arith.addi(xa, c32(16))], "rrrr",
+                                    side_effects=True))
+            for i in range(mt):  # m16 tiles
+                wa = arith.addi(wb, c32(16 * i * w_row + 32 * q))
+                words = (_asm(LOAD_PAIR_PTX, [wa], "rr", side_effects=True)
+                         + _asm(LOAD_PAIR_PTX, [arith.addi(wa, c32(8 * w_row))], "rr",
+                                side_effects=True))
+                a = _asm(lookup_ptx(), [*words, tb], "r" * 16)
+                for h in range(n8):
+                    d = [zero] * 4
+                    for s in range(4):
+                        d = _asm(mma_ptx(dtype), [*a[4 * s:4 * s + 4], *bfrag[h][2 * s:2 * s + 2],
+                                                  *d], "ffff")
+                    for e in range(4):  # d0, d1: row g; d2, d3: row g + 8
+                        j = (i * n8 + h) * 4 + e
+                        accs[j] = _asm("fma.rn.f32 $0, $1, $2, $3;",
+                                       [d[e], scales[q][2 * i + e // 2], accs[j]], "f")[0]
+        new = vector.from_elements(ir.VectorType.get((n_acc,), f32), accs)
+        return fa.FragmentedArray(_registers=np.asarray([new], dtype=object), _layout=layout,
+                                  _is_signed=None)
+
+    def finish(ctx, acc, out_ref):
+        """Lane (g, t) holds rows g, g + 8 of each m16 tile for tokens 8 h + 2 t + (0, 1):
+        stored where the token exists."""
+        del ctx
+        warp, g, t, _ = thread()
+        (vec,) = acc.registers.flat
+        out_ty = ir.MemRefType(out_ref.type).element_type
+        row0 = arith.addi(arith.muli(warp, c32(16 * mt)), g)
+        for h in range(n8):
+            for e in range(2):
+                token = arith.addi(arith.muli(t, c32(2)), c32(8 * h + e))
+                branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, token, c32(m)))
+                with ir.InsertionPoint(branch.then_block):
+                    for i in range(mt):
+                        for half in range(2):
+                            v = vector.extract(vec, [], [(i * n8 + h) * 4 + 2 * half + e])
+                            if out_ty != ir.F32Type.get():
+                                v = arith.truncf(out_ty, v)
+                            row = arith.addi(row0, c32(16 * i + 8 * half))
+                            memref.store(v, out_ref, [as_idx(token), as_idx(row)])
+                    scf.yield_([])
+
+    ref = plgpu.RefType()
+    return dict(
+        build_table=plgpu.inline_mgpu(arg_types=(ref, ref), return_type=None)(build_table),
+        zeros=plgpu.inline_mgpu(arg_types=(), return_type=acc_type)(zeros),
+        step=plgpu.inline_mgpu(arg_types=(ref,) * (4 + (3 if nested else 0)) + (acc_arg,),
+                               return_type=acc_type)(step),
+        finish=plgpu.inline_mgpu(arg_types=(acc_arg, ref), return_type=None)(finish),
+    )
+
+
+def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_dtype):
+    _, pl, plgpu, *_ = mosaic_modules()
+    m, k = x.shape
+    n = packed.shape[0]
+    splits, tile_k, cta_rows, wg_rows, wg_cols = (
+        cfg.k_splits, cfg.tile_k, cfg.cta_rows, cfg.wg_rows, cfg.wg_cols)
+    k_per = k // splits
+    n_tiles = n // cta_rows
+    split_cols = k_per // blocksize
+    step_cols = max(1, wg_cols // blocksize)  # scale columns of a warpgroup's part of a step
+    out_dtype = jnp.float32 if cfg.partials > 1 else out_dtype
+    f = _pieces(plgpu, m, x.dtype, blocksize, k // blocksize, nest is not None, cfg)
+    # TMA boxes take <= 256 elements a dimension: rows of 256-column chunks (128 bytes of
+    # weight, 256 values of x), a step's chunks side by side (the same bytes as (rows, tile_k))
+    chunks, chunk_k = tile_k // 256, k_per // 256
+    pipeline, allocate = warp_specialized(
+        plgpu, pl, grid=(k_per // tile_k,), num_compute_wgs=2, depth=cfg.stages,
+        in_specs=[plgpu.BlockSpec((cta_rows, chunks, 128), lambda kk: (0, kk, 0)),
+                  plgpu.BlockSpec((m, chunks, 256), lambda kk: (0, kk, 0))])
+
+    def matmul_4bit_mgpu_mma_kernel(x_gmem, w_gmem, s_gmem, code_gmem, *rest, table_smem):
+        *nest_gmem, out_gmem = rest
+
+        @functools.partial(pl.run_scoped, allocs=allocate(w_gmem, x_gmem),
+                           collective_axes="wg")
+        def _scope(allocs):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((n_tiles * splits,), collective_axes="sm")
+            def _tiles(info):
+                (lin,) = info.index
+                split, ni = lin % splits, lin // splits
+                if cfg.col_split:  # all the CTA's rows, half of each step's columns
+                    row0, col0, part = ni * cta_rows, wg * wg_cols, split * 2 + wg
+                else:  # half of the CTA's rows, all of each step's columns
+                    row0, col0, part = ni * cta_rows + wg * wg_rows, 0, split
+                out = out_gmem.at[part] if cfg.partials > 1 else out_gmem
+                dst = out.at[:, pl.ds(row0, wg_rows)]
+                s_tile = s_gmem.at[pl.ds(row0, wg_rows), pl.ds(split * split_cols, split_cols)]
+
+                def ctx(run):
+                    f["build_table"](table_smem, code_gmem)
+                    f["finish"](run(f["zeros"]()), dst)
+
+                def body(indices, w_smem, x_smem, acc):
+                    (kk,) = indices
+                    col = (kk * tile_k + col0) // blocksize
+                    if cfg.col_split:
+                        half = pl.ds(wg * (chunks // 2), chunks // 2)
+                        w_part, x_part = w_smem.at[:, half], x_smem.at[:, half]
+                    else:
+                        w_part, x_part = w_smem.at[pl.ds(wg * wg_rows, wg_rows)], x_smem
+                    return f["step"](w_part, x_part, table_smem,
+                                     s_tile.at[:, pl.ds(col, step_cols)], *nest_gmem, acc)
+
+                pipeline(body, ctx)(
+                    w_gmem.at[pl.ds(ni * cta_rows, cta_rows), pl.ds(split * chunk_k, chunk_k)],
+                    x_gmem.at[:, pl.ds(split * chunk_k, chunk_k)], allocations=allocs)
+
+    out_shape = (cfg.partials, m, n) if cfg.partials > 1 else (m, n)
+    kernel = plgpu.kernel(
+        matmul_4bit_mgpu_mma_kernel,  # the name Nsight Compute shows
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(sm_count(),),
+        grid_names=("sm",),
+        num_threads=3,  # two compute warpgroups and the memory warpgroup
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=dict(table_smem=plgpu.SMEM((TABLE_BYTES // 4,), jnp.float32)),
+    )
+    y = kernel(x.reshape(m, k // 256, 256), packed.reshape(n, k // 256, 128), scales, code,
+               *(nest or ()))
+    return jnp.sum(y, axis=0) if cfg.partials > 1 else y
+
+
+def matmul_4bit_mgpu_mma(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
+                         interpret: bool = False, nested=None, config: MmaConfig | None = None):
+    """y (M, N) = x (M, K) @ dequant(W).T for M <= 16 on a Hopper GPU. x bf16/f16; packed
+    (N, K // 2) uint8; absmax (N, K // blocksize) f32 or, with `nested`, the uint8 codes."""
+    what = "matmul_4bit_mgpu_mma"
+    if interpret:
+        raise NotImplementedError(f"{what} has no interpret mode (Mosaic GPU, inline PTX); run "
+                                  "matmul_4bit_mma_reference on CPU")
+    n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
+    check_x(x, k, what=what)
+    m = x.shape[0]
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"{what}: x must be bfloat16 or float16 (the MMA operand), got {x.dtype}")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    cfg = config or default_config(m, n, k, blocksize)
+    problem = shape_problem(m, n, k, blocksize, cfg)
+    if problem:
+        raise ValueError(f"{what}: {problem}")
+    scales, nest = scale_operands(absmax, nested, n, k, blocksize)
+    y = _call(x, packed, scales, jnp.asarray(code, jnp.float32), nest, blocksize=blocksize,
+              cfg=cfg, out_dtype=out_dtype)
+    return y.astype(out_dtype)
+
+
+VARIANTS = (
+    Variant(
+        name="mgpu_mma_pair_table", op="matmul_4bit", fn=matmul_4bit_mgpu_mma,
+        reference=matmul_4bit_mma_reference, supports=supports, accepts_nested=True,
+        description="Hopper Mosaic GPU (M <= 16): TMA-streamed packed tiles, each byte looked up "
+                    "in a lane-replicated 256-entry table of 16-bit code pairs straight into an "
+                    "mma.sync A fragment; fp32 group sums times absmax"),
+)

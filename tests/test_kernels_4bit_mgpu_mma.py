@@ -1,0 +1,177 @@
+"""The Hopper pair-table MMA kernel (`pallas_kernels.matmul_4bit_mgpu_mma`).
+
+On CPU: the lookup program runs in the GEMV tests' PTX interpreter against the A fragments the
+MMA needs; the permuted K order of the A and B fragments is one permutation of each group's
+columns; `emulate` and the jnp reference agree, and both differ from the exact-code product by
+the rounding of the codes only; configs and errors; the kernel lowers for CUDA (jax 0.10 and
+0.11). On a Hopper GPU: the compiled kernel against `emulate` and the reference.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jqlora.quant import tables
+from pallas_kernels import matmul_4bit_mgpu_mma as mm
+from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
+from mosaic_lowering import lower_for_cuda
+from test_kernels_4bit_mgpu_gemv import _problem, _run
+
+
+def _table_bytes(code, dtype, base: int) -> np.ndarray:
+    """Shared memory with build_table's words at `base`: entry b of lane l at 256 b + 4 l,
+    (code[b >> 4] in the low half, code[b & 15] in the high half) in dtype."""
+    c16 = np.asarray(jnp.asarray(code, jnp.float32).astype(dtype).view(jnp.uint16), np.uint32)
+    words = np.zeros(mm.TABLE_BYTES // 4, np.uint32)
+    b, lane = np.meshgrid(np.arange(256), np.arange(32), indexing="ij")
+    words[(256 * b + 4 * lane) // 4] = c16[b >> 4] | (c16[b & 15] << 16)
+    return np.concatenate([np.zeros(base, np.uint8), words.view(np.uint8)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_lookup_program_builds_the_a_fragments(dtype):
+    """lookup_ptx on random bytes of rows g and g + 8: register 4 s + i of step s holds the
+    codes of byte 2 s (i = 0: row g, 1: row g + 8) or 2 s + 1 (i = 2, 3), high nibble (the even
+    column) in the low half, each lane reading its own copy of the table."""
+    code = tables.code_4bit("nf4")
+    rng = np.random.default_rng(7)
+    lanes, base = 64, 3072
+    rows = rng.integers(0, 256, (lanes, 2, 8), dtype=np.uint8)  # (lane, row g / g + 8, byte)
+    words = rows.view(np.uint32)  # (lane, 2, 2)
+    ops_ = {16: words[:, 0, 0], 17: words[:, 0, 1], 18: words[:, 1, 0], 19: words[:, 1, 1],
+            20: (base + 4 * (np.arange(lanes) % 32)).astype(np.uint32)}
+    got = _run(mm.lookup_ptx(), ops_, list(range(16)), _table_bytes(code, dtype, base))
+    c16 = np.asarray(jnp.asarray(code, jnp.float32).astype(dtype).view(jnp.uint16), np.uint32)
+    for s in range(4):
+        for i, (row, byte) in enumerate(((0, 2 * s), (1, 2 * s), (0, 2 * s + 1), (1, 2 * s + 1))):
+            b = rows[:, row, byte].astype(np.uint32)
+            np.testing.assert_array_equal(got[4 * s + i], c16[b >> 4] | (c16[b & 15] << 16))
+
+
+def test_mma_order_is_a_permutation_of_each_group():
+    """The A fragment's bytes and the B fragment's x columns name the same weight columns, and
+    the four lanes' four k16 steps cover the 64 columns of a group once each."""
+    cols = [c for s in range(4) for t in range(4) for c in mm.mma_columns(t, s)]
+    assert sorted(cols) == list(range(mm.GROUP))
+    for t in range(4):
+        for s in range(4):
+            a0, a2 = 8 * t + 2 * s, 8 * t + 2 * s + 1  # the lane's bytes of step s
+            assert mm.mma_columns(t, s) == (2 * a0, 2 * a0 + 1, 2 * a2, 2 * a2 + 1)
+            x_words = (2 * s, 2 * s + 1)  # of the 8 words at x columns 16 t .. 16 t + 15
+            assert [16 * t + 2 * w + e for w in x_words for e in (0, 1)] == list(
+                mm.mma_columns(t, s))
+
+
+@settings(max_examples=6, deadline=None)
+@given(m=st.integers(1, 16), n256=st.integers(1, 2), k256=st.integers(1, 4),
+       log_bs=st.integers(6, 8), splits=st.sampled_from([1, 2]), seed=st.integers(0, 99),
+       f16=st.booleans())
+def test_emulation_matches_the_references(m, n256, k256, log_bs, splits, seed, f16):
+    """`emulate` (float64 group sums) equals the jnp reference up to f32 rounding, and both are
+    the exact-code product up to the rounding of the codes to x's dtype."""
+    n, k, bs = 256 * n256, 256 * k256, 2 ** log_bs
+    if k % bs:
+        return
+    if k % (splits * 256) or (k // splits) % bs:
+        splits = 1
+    dtype = jnp.float16 if f16 else jnp.bfloat16
+    q, x, packed, absmax = _problem(m, n, k, bs, seed=seed, x_dtype=dtype)
+    got = mm.emulate(x, packed, absmax, q.code, blocksize=bs, cfg=mm.MmaConfig(k_splits=splits))
+    ref = np.asarray(mm.matmul_4bit_mma_reference(x, packed, absmax, q.code, blocksize=bs,
+                                                  out_dtype=jnp.float32))
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * float(np.abs(ref).max()))
+    exact = np.asarray(matmul_4bit_gemv_reference(x, packed, absmax, q.code, blocksize=bs,
+                                                  out_dtype=jnp.float32))
+    rel = float(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+    assert rel < (4e-3 if dtype == jnp.bfloat16 else 5e-4), rel
+    assert rel > 0  # the codes are rounded: a mutation that used exact codes would not be seen
+
+
+@given(m=st.integers(1, 20), n32=st.integers(1, 640), k32=st.integers(1, 640),
+       log_bs=st.integers(5, 12))
+def test_default_config_is_valid_wherever_supported(m, n32, k32, log_bs):
+    n, k, bs = 32 * n32, 32 * k32, 2 ** log_bs
+    want = m <= 16 and n % 256 == 0 and k % 256 == 0 and bs >= 64 and k % bs == 0
+    assert mm.supports(m, n, k, bs) == want
+    if want:
+        cfg = mm.default_config(m, n, k, bs)
+        assert mm.shape_problem(m, n, k, bs, cfg) is None
+        assert (n // mm.CTA_ROWS) * cfg.k_splits <= mm.SMS
+
+
+def test_bad_inputs_get_clear_errors():
+    q, x, packed, absmax = _problem(1, 256, 512, 64)
+    with pytest.raises(NotImplementedError, match="interpret"):
+        mm.matmul_4bit_mgpu_mma(x, packed, absmax, q.code, blocksize=64, interpret=True)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        mm.matmul_4bit_mgpu_mma(x.astype(jnp.float32), packed, absmax, q.code, blocksize=64)
+    with pytest.raises(ValueError, match=r"M \(17\)"):
+        mm.matmul_4bit_mgpu_mma(jnp.concatenate([x] * 17), packed, absmax, q.code, blocksize=64)
+    q32, x32, p32, a32 = _problem(1, 256, 512, 32, nested=False)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mm.matmul_4bit_mgpu_mma(x32, p32, a32, q32.code, blocksize=32)
+    assert "tile_k" in mm.shape_problem(1, 256, 512, 64, mm.MmaConfig(tile_k=128))
+    assert "multiple of 128" in mm.shape_problem(1, 192, 512, 64, mm.MmaConfig(tile_k=512))
+    assert mm.shape_problem(1, 192, 1024, 64, mm.MmaConfig(tile_k=1024)) is None
+
+
+@pytest.mark.parametrize("m,n,k,bs,cfg,dtype,nested", [
+    (1, 512, 1024, 64, None, jnp.bfloat16, True),
+    (5, 256, 512, 128, mm.MmaConfig(k_splits=2), jnp.float16, False),
+    (16, 256, 2048, 64, mm.MmaConfig(k_splits=4, stages=3), jnp.bfloat16, True),
+    (3, 128, 1024, 64, mm.MmaConfig(tile_k=512), jnp.bfloat16, True),
+    (12, 192, 2048, 256, mm.MmaConfig(k_splits=2, tile_k=1024), jnp.float16, False),
+])
+def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
+    assert "mosaic_gpu" in lower_for_cuda(mm.matmul_4bit_mgpu_mma, m, n, k, bs, dtype, nested,
+                                          config=cfg)
+
+
+gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosaic GPU")
+
+
+@gpu
+@pytest.mark.parametrize("m,n,k,bs,quant_type,dtype,cfg", [
+    (1, 256, 512, 64, "nf4", jnp.bfloat16, None),
+    (2, 512, 1024, 64, "fp4", jnp.float16, None),
+    (7, 256, 1024, 128, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2)),
+    (8, 512, 2048, 64, "nf4", jnp.bfloat16, None),
+    (9, 256, 3584, 64, "nf4", jnp.float16, mm.MmaConfig(k_splits=7, stages=3)),
+    (16, 768, 4096, 256, "fp4", jnp.bfloat16, None),
+    (1, 384, 2048, 64, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, tile_k=512)),
+    (11, 128, 1536, 128, "nf4", jnp.float16, mm.MmaConfig(k_splits=3, tile_k=512)),
+    (4, 192, 2048, 64, "fp4", jnp.bfloat16, mm.MmaConfig(tile_k=1024)),
+    (16, 320, 4096, 512, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, tile_k=1024)),
+])
+def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
+    q, x, packed, absmax = _problem(m, n, k, bs, quant_type, seed=m + n, x_dtype=dtype)
+    nested = (q.nested_absmax, q.nested_code, q.offset)
+    got = np.asarray(mm.matmul_4bit_mgpu_mma(
+        x, packed, q.absmax.reshape(n, k // bs), q.code, blocksize=bs, nested=nested,
+        config=cfg, out_dtype=jnp.float32))
+    emu = mm.emulate(x, packed, absmax, q.code, blocksize=bs,
+                     cfg=cfg or mm.default_config(m, n, k, bs))
+    np.testing.assert_allclose(got, emu, rtol=2e-5, atol=2e-5 * float(np.abs(emu).max()))
+    y16 = mm.matmul_4bit_mgpu_mma(x, packed, q.absmax.reshape(n, k // bs), q.code,
+                                  blocksize=bs, nested=nested, config=cfg)
+    assert y16.dtype == dtype and y16.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(y16.astype(jnp.float32)), emu, rtol=1e-2,
+                               atol=1e-2 * float(np.abs(emu).max()))
+
+
+@gpu
+def test_qmatmul_auto_runs_it_on_3d_x():
+    from jqlora import ops
+    from jqlora.ops import backends
+    q, x, _, _ = _problem(9, 512, 1024, 64)
+    assert backends.choose_plan(q, 9, "auto", dtype="bfloat16").fwd == "mgpu_mma_pair_table"
+    y = ops.qmatmul(x.reshape(3, 3, 1024), q)
+    ref = ops.qmatmul(x.reshape(3, 3, 1024), q, backend="xla")
+    assert y.shape == ref.shape == (3, 3, 512) and y.dtype == jnp.bfloat16
+    err = float(jnp.linalg.norm((y - ref).astype(jnp.float32))
+                / jnp.linalg.norm(ref.astype(jnp.float32)))
+    assert err < 1e-2, err
