@@ -3,6 +3,7 @@
 # details page, the per-opcode SASS mix (benchmarks/ncu_sass_mix.py) and the kernel list.
 #   bash benchmarks/ncu_session.sh                     # the cases below
 #   bash benchmarks/ncu_session.sh "mgpu 16 4096 14336" ...   # profile_small_m argument lists
+#   NAMES=0 bash benchmarks/ncu_session.sh "mgpu_mma 16 4096 14336"   # without the kernel list
 # Results land in $OUT (ncu_<case>_details.txt, ncu_<case>_mix.txt).
 set -u
 OUT=${OUT:-/tmp/jqlora-out}
@@ -13,9 +14,12 @@ if [ $# -eq 0 ]; then
   set -- "mgpu 16 4096 14336" "mgpu 16 4096 4096" "mgpu 128 4096 14336" \
          "mgpu 2048 4096 4096 tile_m=256" "mgpu_t 128 4096 14336"
 fi
-# which kernels one call launches (names for -k)
-$NCU --clock-control none --section LaunchStats python3 -m benchmarks.profile_small_m $1 2>&1 \
-  | grep -E '^  [A-Za-z_].*\(' | sed 's/(.*//' | sort | uniq -c > "$OUT/ncu_kernel_names.txt"
+# which kernels one call launches (names for -k); NAMES=0 skips this pass, which profiles every
+# launch of a whole run (s18-9: a 280 s call ended inside it on a fresh machine)
+if [ "${NAMES:-1}" != 0 ]; then
+  $NCU --clock-control none --section LaunchStats python3 -m benchmarks.profile_small_m $1 2>&1 \
+    | grep -E '^  [A-Za-z_].*\(' | sed 's/(.*//' | sort | uniq -c > "$OUT/ncu_kernel_names.txt"
+fi
 for case in "$@"; do
   set -- $case
   mode=$1

@@ -85,6 +85,9 @@ class GemvConfig:
     # True: a step loads the 16-byte chunks of all its rows first, then runs word q of every
     # row before word q + 1 (the rows' fma chains are independent: more loads in flight per
     # warp), and applies the scales last. False: row by row. Same sums in the same order.
+    # H100 s18-3, ratio to bf16, against row by row: M = 1 0.605 / 0.465 / 0.439 against 0.603
+    # / 0.467 / 0.451, M = 2 0.680 / 0.511 / 0.487 against 0.686 / 0.508 / 0.499: one run,
+    # within spread except 14336x4096
     interleave: bool = False
 
     @property

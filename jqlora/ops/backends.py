@@ -55,8 +55,10 @@ MGPU_MAX_M_4BIT = 1024
 # 1.52 against dequant_dot_t's 1.81 / 2.44 / 2.36; M = 128 1.50 / 1.50 / 1.83 against 1.74 /
 # 2.24 / 2.46. At M = 256 dequant_dot_t is ahead (1.73-2.21 against 2.17-2.98).
 MGPU_T_MAX_M_4BIT = 128
-# 4-bit on Hopper with 16-bit x, M <= GEMV_MAX_M_4BIT: the Mosaic GPU pair-table GEMV
-# (mgpu_gemv_pair_table: one conflict-free shared-memory load gives a byte's two fp32 codes).
+# 4-bit on Hopper with 16-bit x, M <= GEMV_MAX_M_4BIT where the MMA kernel below does not take
+# the product (since session 18: M = 1, and M = 2 with a shape it excludes, e.g. blocksize 32):
+# the Mosaic GPU pair-table GEMV (mgpu_gemv_pair_table: one conflict-free shared-memory load
+# gives a byte's two fp32 codes).
 # H100, session 17, s17-10 (results/..._s17_mgpu_gemv_staged_vs_step_time.json; ratios to bf16
 # at 4096x4096 / 4096x14336 / 14336x4096, same run): M = 1 0.603 / 0.473 / 0.451 against the
 # Triton GEMV's 0.714 / 0.632 / 0.620; M = 2 0.681 / 0.483 / 0.503 against 0.969 / 0.701 / 0.749.
