@@ -175,3 +175,19 @@ def test_qmatmul_auto_runs_it_on_3d_x():
     err = float(jnp.linalg.norm((y - ref).astype(jnp.float32))
                 / jnp.linalg.norm(ref.astype(jnp.float32)))
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("rows,stages,read", [(256, 2, "word"), (128, 3, "all"), (64, 2, "all")])
+def test_stream_probe_lowers_for_cuda(rows, stages, read):
+    """benchmarks.mgpu_stream_probe (the kernels' pipeline without the decode) builds for CUDA
+    on CPU, so a GPU session can run it first time."""
+    from benchmarks.mgpu_stream_probe import stream
+    packed = jax.ShapeDtypeStruct((512, 4096), jnp.uint8)
+    try:
+        text = jax.jit(lambda p: stream(p, rows=rows, stages=stages, read=read)).trace(
+            packed).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001
+        if "Unable to" in str(e) or "no CUDA" in str(e):  # pragma: no cover
+            pytest.skip(f"this jax cannot lower Mosaic GPU kernels without a GPU: {e}")
+        raise
+    assert "mosaic_gpu" in text
