@@ -61,13 +61,14 @@ def _gemv(x, q, cfg, out_dtype=None):
 def smem_base(out: list) -> None:
     """The shared-window address of a kernel's first scratch buffer, where the GEMV's pair
     table sits (a one-prmt table address would need it 64 KiB-aligned: `word_ptx`)."""
+    from pallas_kernels.mgpu_pair_table import smem_address
     _, _, plgpu, _, arith, memref, _, _ = mg.mosaic_modules()
     from jax._src.lib.mlir import ir
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()), return_type=None)
     def store_address(ctx, table_ref, out_ref):
         del ctx
-        memref.store(mg._smem_address(table_ref), out_ref,
+        memref.store(smem_address(table_ref), out_ref,
                      [arith.constant(ir.IndexType.get(), 0)])
 
     def body(out_gmem, *, table_smem, scale_smem):

@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.mgpu_decode import mosaic_modules
+from pallas_kernels.mgpu_pair_table import LOAD_V4_PTX, asm, smem_address
 from pallas_kernels.mgpu_pipeline import SMS, sm_count, warp_specialized
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
@@ -46,7 +47,7 @@ def stream(packed, *, rows: int, stages: int, read: str, splits: int | None = No
     """Stream packed (N, K / 2) uint8 through the pipeline in (rows, 32 KiB / rows) tiles; each
     compute thread xors what it reads into one word, stored per thread: (CTAs' tiles, 256)."""
     _, pl, plgpu, ir, arith, _, fa, mu = mosaic_modules()
-    from jax._src.lib.mlir.dialects import llvm, vector
+    from jax._src.lib.mlir.dialects import vector
 
     n, half_k = packed.shape
     row_bytes = STEP_BYTES // rows
@@ -69,17 +70,13 @@ def stream(packed, *, rows: int, stages: int, read: str, splits: int | None = No
     def step(ctx, w_ref, acc):
         del ctx
         tid = mu.thread_idx()  # 0..255 over both compute warpgroups
-        base = arith.addi(llvm.ptrtoint(i32(), mu.memref_ptr(w_ref)),
-                          arith.muli(tid, arith.constant(i32(), 16)))
+        base = arith.addi(smem_address(w_ref), arith.muli(tid, arith.constant(i32(), 16)))
         (vec,) = acc.registers.flat
         word = arith.bitcast(i32(), vector.extract(vec, [], [0]))
         for j in range(loads):  # thread t reads bytes 16 t + 4096 j: a warp 512 contiguous
             addr = arith.addi(base, arith.constant(i32(), 4096 * j))
-            ret = llvm.StructType.get_literal([i32()] * 4)
-            res = llvm.inline_asm(ret, [addr], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
-                                  "=r,=r,=r,=r,r", has_side_effects=True)
-            for i in range(4):
-                word = arith.xori(word, llvm.extractvalue(i32(), res, [i]))
+            for w in asm(LOAD_V4_PTX, [addr], "rrrr", side_effects=True):
+                word = arith.xori(word, w)
         new = vector.from_elements(ir.VectorType.get((1,), ir.F32Type.get()),
                                    [arith.bitcast(ir.F32Type.get(), word)])
         return fa.FragmentedArray(_registers=np.asarray([new], dtype=object), _layout=layout,

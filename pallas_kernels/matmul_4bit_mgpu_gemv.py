@@ -49,10 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.dequantize_4bit import check_4bit_weight, supports_4bit
-from pallas_kernels.matmul_4bit import check_x
+from pallas_kernels.dequantize_4bit import supports_4bit
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
-from pallas_kernels.mgpu_decode import DENEST_PTX, mosaic_modules
+from pallas_kernels.mgpu_decode import mosaic_modules
+from pallas_kernels.mgpu_pair_table import (
+    LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
 from pallas_kernels.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, sm_count, warp_specialized)
 from pallas_kernels.registry import Variant
@@ -61,9 +62,7 @@ MAX_M = 2
 TILE_K = 256  # weight columns a step: 128 packed bytes a row
 CTA_ROWS = 256  # weight rows a CTA, shared by its compute warpgroups
 CHUNK = 32  # weight columns of one thread's 16-byte chunk
-LANES = 32
 TABLE_FLOATS = 256 * LANES * 2  # (byte, lane) -> (code[hi], code[lo]), 64 KiB
-TABLE_BARRIER = 15  # named barrier of the compute warpgroups (Mosaic uses 0 and 1 + wg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +207,6 @@ def x_ptx(dtype) -> str:
     return "\n".join(lines)
 
 
-LOAD_WORDS_PTX = "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];"
 STORE_PAIR_PTX = "st.shared.v2.f32 [$0], {$1, $2};"
 
 
@@ -268,65 +266,6 @@ def emulate(x, packed, absmax, code, *, blocksize: int, cfg: GemvConfig = GemvCo
 
 
 # --------------------------------------------------------------------------- Mosaic pieces
-def _asm(ptx: str, args, outs: str = "", *, tied: int = 0, side_effects: bool = False):
-    """Inline PTX: outputs typed by `outs` ('r' i32, 'f' f32); `tied` last args are the
-    initial values of the first `tied` outputs. No outputs: a statement with side effects."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-    kinds = {"r": ir.IntegerType.get_signless(32), "f": ir.F32Type.get()}
-    free = args[:len(args) - tied]
-    cons = [f"={o}" for o in outs]
-    cons += ["f" if a.type == ir.F32Type.get() else "r" for a in free]
-    cons += [str(i) for i in range(tied)]
-    if not outs:
-        llvm.inline_asm(ir.Type.parse("!llvm.void"), list(args), ptx, ",".join(cons),
-                        has_side_effects=True)
-        return []
-    ret = llvm.StructType.get_literal([kinds[o] for o in outs])
-    res = llvm.inline_asm(ret, list(args), ptx, ",".join(cons), has_side_effects=side_effects)
-    return [llvm.extractvalue(kinds[o], res, [i]) for i, o in enumerate(outs)]
-
-
-def _smem_address(ref):
-    """The 32-bit shared-window address of a shared-memory ref's first element."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-    *_, mu = mosaic_modules()
-    return llvm.ptrtoint(ir.IntegerType.get_signless(32), mu.memref_ptr(ref))
-
-
-def scale_loaders(nested: bool, cols: int):
-    """(nest_operands, load_scale) for Mosaic pieces that read the scales from global memory:
-    nest_operands(nest_refs) loads the double-quant offset once, load_scale(src_ref, nest, row,
-    col) reads one absmax (index values into a window of the (N, cols) scales) and de-nests it
-    (bitsandbytes' nesting: groups of 256 consecutive scales)."""
-    _, _, _, ir, arith, memref, _, _ = mosaic_modules()
-    i32 = lambda: ir.IntegerType.get_signless(32)
-    cidx = lambda v: arith.constant(ir.IndexType.get(), v)
-    as_idx = lambda v: arith.index_cast(ir.IndexType.get(), v)
-
-    def nest_operands(nest_refs):
-        """(nested_code ref, nested_absmax ref, the offset loaded once) for `load_scale`."""
-        if not nested:
-            return ()
-        ncode_ref, nabs_ref, off_ref = nest_refs
-        return ncode_ref, nabs_ref, memref.load(off_ref, [cidx(0)])
-
-    def load_scale(src_ref, nest, row, col):
-        if not nested:
-            return memref.load(src_ref, [row, col])
-        ncode_ref, nabs_ref, off = nest
-        first = memref.extract_strided_metadata(src_ref)[1]
-        code_v = as_idx(arith.extui(i32(), memref.load(src_ref, [row, col])))
-        group = arith.divui(arith.addi(first, arith.addi(arith.muli(row, cidx(cols)), col)),
-                            cidx(256))
-        nc = memref.load(ncode_ref, [code_v])
-        na = memref.load(nabs_ref, [group])
-        return _asm(DENEST_PTX, [nc, na, off], "f")[0]
-
-    return nest_operands, load_scale
-
-
 def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, nested: bool,
             cfg: GemvConfig):
     """The Pallas functions the kernel calls: table build, scale staging, zero accumulators,
@@ -361,12 +300,12 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
         hi = [memref.load(code_ref, [as_idx(arith.addi(arith.muli(wg, c32(per // 4)), c32(v)))])
               for v in range(per // 4)]
         lo = [memref.load(code_ref, [as_idx(arith.addi(quarter, c32(4 * q)))]) for q in range(4)]
-        base = arith.addi(arith.addi(_smem_address(table_ref), arith.muli(lane, c32(8))),
+        base = arith.addi(arith.addi(smem_address(table_ref), arith.muli(lane, c32(8))),
                           arith.addi(arith.muli(quarter, c32(256)),
                                      arith.muli(wg, c32(1024 * per))))
         for i in range(per):
-            _asm(STORE_PAIR_PTX, [arith.addi(base, c32(1024 * i)), hi[i // 4], lo[i % 4]])
-        _asm(f"bar.sync {TABLE_BARRIER}, {128 * cfg.wgs};", [])
+            asm(STORE_PAIR_PTX, [arith.addi(base, c32(1024 * i)), hi[i // 4], lo[i % 4]])
+        asm(f"bar.sync {TABLE_BARRIER}, {128 * cfg.wgs};", [])
 
     nest_operands, load_scale = scale_loaders(nested, cols)
 
@@ -404,16 +343,16 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
         *nest_refs, acc = rest
         f32 = ir.F32Type.get()
         tid, lane, c, r0 = thread()
-        tb = arith.addi(_smem_address(table_ref), arith.muli(lane, c32(8)))
-        wb = arith.addi(_smem_address(w_ref),
+        tb = arith.addi(smem_address(table_ref), arith.muli(lane, c32(8)))
+        wb = arith.addi(smem_address(w_ref),
                         arith.addi(arith.muli(r0, c32(TILE_K // 2)), arith.muli(c, c32(16))))
-        xb = arith.addi(_smem_address(x_ref), arith.muli(c, c32(CHUNK * 2)))
+        xb = arith.addi(smem_address(x_ref), arith.muli(c, c32(CHUNK * 2)))
         blk = (arith.divui(arith.muli(c, c32(CHUNK)), c32(blocksize)) if blocksize < TILE_K
                else c32(0))
         if cfg.staged_scales:
-            sb = arith.addi(_smem_address(s_ref),
+            sb = arith.addi(smem_address(s_ref),
                             arith.muli(arith.addi(arith.muli(r0, c32(s_stride)), blk), c32(4)))
-            scales = [_asm("ld.shared.f32 $0, [$1];", [arith.addi(sb, c32(64 * s_stride * j))],
+            scales = [asm("ld.shared.f32 $0, [$1];", [arith.addi(sb, c32(64 * s_stride * j))],
                            "f", side_effects=True)[0] for j in range(rpt)]
         else:  # all the step's scale loads first: their latency overlaps the x and row work
             nest = nest_operands(nest_refs)
@@ -424,14 +363,14 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
             """x's 8 columns of word q per x row, as word_ptx takes them: 4 even, 4 odd."""
             out = []
             for r in range(m):
-                v = [arith.bitcast(f32, w) for w in _asm(
+                v = [arith.bitcast(f32, w) for w in asm(
                     x_ptx(dtype), [arith.addi(xb, c32(r * TILE_K * 2 + 16 * q))], "r" * 8,
                     side_effects=True)]
                 out += v[0::2] + v[1::2]
             return out
 
         def row_words(j):
-            return _asm(LOAD_WORDS_PTX, [arith.addi(wb, c32(16 * j * TILE_K // 2))], "rrrr",
+            return asm(LOAD_V4_PTX, [arith.addi(wb, c32(16 * j * TILE_K // 2))], "rrrr",
                         side_effects=True)
 
         program = word_ptx(m)
@@ -444,7 +383,7 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
             for r in range(m):
                 block_sum = arith.addf(sums[2 * r], sums[2 * r + 1])
                 i = r * rpt + j
-                accs[i] = _asm("fma.rn.f32 $0, $1, $2, $3;", [block_sum, scales[j], accs[i]],
+                accs[i] = asm("fma.rn.f32 $0, $1, $2, $3;", [block_sum, scales[j], accs[i]],
                                "f")[0]
 
         if cfg.interleave:  # all rows' chunks, then word q of every row (independent chains)
@@ -453,7 +392,7 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
             for q in range(4):
                 xq = x_word(q)
                 for j in range(rpt):
-                    sums[j] = _asm(program, [words[j][q], tb, *xq, *sums[j]], "f" * (2 * m),
+                    sums[j] = asm(program, [words[j][q], tb, *xq, *sums[j]], "f" * (2 * m),
                                    tied=2 * m)
             for j in range(rpt):
                 scale_row(j, sums[j])
@@ -462,7 +401,7 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
             for j in range(rpt):
                 words, sums = row_words(j), [zero] * (2 * m)
                 for q in range(4):
-                    sums = _asm(program, [words[q], tb, *xw[q], *sums], "f" * (2 * m),
+                    sums = asm(program, [words[q], tb, *xw[q], *sums], "f" * (2 * m),
                                 tied=2 * m)
                 scale_row(j, sums)
         new = vector.from_elements(ir.VectorType.get((rpt * m,), f32), accs)
@@ -582,42 +521,14 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: GemvConfig, out
     return jnp.sum(y, axis=0) if splits > 1 else y
 
 
-def scale_operands(absmax, nested, n: int, k: int, blocksize: int):
-    """(scales, nest) as the pair-table kernels take them: with double quant the uint8 codes as
-    stored, (N, K / blocksize), and nest = (nested_code, nested_absmax, offset (1,)) in f32
-    (de-nested in the kernel); else the f32 absmax and None."""
-    if nested is None:
-        return jnp.asarray(absmax, jnp.float32), None
-    nested_absmax, nested_code, offset = nested
-    return absmax.reshape(n, k // blocksize), (
-        jnp.asarray(nested_code, jnp.float32), jnp.asarray(nested_absmax, jnp.float32),
-        jnp.reshape(offset, (1,)).astype(jnp.float32))
-
-
 def matmul_4bit_mgpu_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                           interpret: bool = False, nested=None, config: GemvConfig | None = None):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 2 on a Hopper GPU. x bf16/f16; packed
     (N, K // 2) uint8; absmax (N, K // blocksize) f32 or, with `nested`, the uint8 codes."""
-    what = "matmul_4bit_mgpu_gemv"
-    if interpret:
-        raise NotImplementedError(f"{what} has no interpret mode (Mosaic GPU, inline PTX); run "
-                                  "matmul_4bit_gemv or the reference on CPU")
-    n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
-    check_x(x, k, what=what)
-    m = x.shape[0]
-    if x.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"{what}: x must be bfloat16 or float16, got {x.dtype}")
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if m == 0:
-        return jnp.zeros((0, n), out_dtype)
-    cfg = config or default_config(m, n, k, blocksize)
-    problem = shape_problem(m, n, k, blocksize, cfg)
-    if problem:
-        raise ValueError(f"{what}: {problem}")
-    scales, nest = scale_operands(absmax, nested, n, k, blocksize)
-    y = _call(x, packed, scales, jnp.asarray(code, jnp.float32), nest, blocksize=blocksize,
-              cfg=cfg, out_dtype=out_dtype)
-    return y.astype(out_dtype)
+    return pair_table_product(
+        "matmul_4bit_mgpu_gemv", "matmul_4bit_gemv or the reference", default_config,
+        shape_problem, _call, x, packed, absmax, code, blocksize=blocksize, out_dtype=out_dtype,
+        interpret=interpret, nested=nested, config=config)
 
 
 VARIANTS = (

@@ -45,11 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.dequantize_4bit import check_4bit_weight, supports_4bit
-from pallas_kernels.matmul_4bit import check_x
-from pallas_kernels.matmul_4bit_mgpu_gemv import (
-    LANES, TABLE_BARRIER, _asm, _smem_address, scale_loaders, scale_operands)
+from pallas_kernels.dequantize_4bit import supports_4bit
 from pallas_kernels.mgpu_decode import mosaic_modules
+from pallas_kernels.mgpu_pair_table import (
+    LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
 from pallas_kernels.mgpu_pipeline import SMEM_LIMIT, SMS, sm_count, warp_specialized
 from pallas_kernels.registry import Variant
 
@@ -231,7 +230,6 @@ def mma_ptx(dtype) -> str:
 
 
 LOAD_PAIR_PTX = "ld.shared.v2.u32 {$0, $1}, [$2];"
-LOAD_QUAD_PTX = "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];"
 
 
 # --------------------------------------------------------------------------- Mosaic pieces
@@ -265,12 +263,12 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
         w = arith.divui(mu.thread_idx(), c32(LANES))  # 0..7 over both compute warpgroups
         hi = [memref.load(code_ref, [as_idx(c32(v))]) for v in range(16)]
         lo = [memref.load(code_ref, [as_idx(arith.addi(w, c32(8 * e)))]) for e in range(2)]
-        base = arith.addi(arith.addi(_smem_address(table_ref), arith.muli(lane, c32(4))),
+        base = arith.addi(arith.addi(smem_address(table_ref), arith.muli(lane, c32(4))),
                           arith.muli(w, c32(256)))
         for i in range(32):  # byte b = w + 8 i: hi nibble i // 2, lo nibble w + 8 (i % 2)
-            word = _asm(f"{cvt} $0, $1, $2;", [lo[i % 2], hi[i // 2]], "r")[0]
-            _asm("st.shared.b32 [$0], $1;", [arith.addi(base, c32(2048 * i)), word])
-        _asm(f"bar.sync {TABLE_BARRIER}, 256;", [])
+            word = asm(f"{cvt} $0, $1, $2;", [lo[i % 2], hi[i // 2]], "r")[0]
+            asm("st.shared.b32 [$0], $1;", [arith.addi(base, c32(2048 * i)), word])
+        asm(f"bar.sync {TABLE_BARRIER}, 256;", [])
 
     def zeros(ctx):
         del ctx
@@ -283,11 +281,11 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
         *nest_refs, acc = rest
         f32 = ir.F32Type.get()
         warp, g, t, lane = thread()
-        tb = arith.addi(_smem_address(table_ref), arith.muli(lane, c32(4)))
+        tb = arith.addi(smem_address(table_ref), arith.muli(lane, c32(4)))
         row0 = arith.addi(arith.muli(warp, c32(16 * mt)), g)  # row g of m16 tile 0
-        wb = arith.addi(_smem_address(w_ref),
+        wb = arith.addi(smem_address(w_ref),
                         arith.addi(arith.muli(row0, c32(w_row)), arith.muli(t, c32(8))))
-        xb = arith.addi(_smem_address(x_ref), arith.muli(t, c32(32)))
+        xb = arith.addi(smem_address(x_ref), arith.muli(t, c32(32)))
         nest = nest_operands(nest_refs)
         (vec,) = acc.registers.flat
         accs = [vector.extract(vec, [], [i]) for i in range(n_acc)]
@@ -303,23 +301,23 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
             for h in range(n8):  # token 8 h + g, clamped to x's last row (unused results)
                 tok = arith.minui(arith.addi(g, c32(8 * h)), c32(m - 1))
                 xa = arith.addi(xb, arith.addi(arith.muli(tok, c32(x_row)), c32(128 * q)))
-                bfrag.append(_asm(LOAD_QUAD_PTX, [xa], "rrrr", side_effects=True)
-                             + _asm(LOAD_QUAD_PTX, [arith.addi(xa, c32(16))], "rrrr",
+                bfrag.append(asm(LOAD_V4_PTX, [xa], "rrrr", side_effects=True)
+                             + asm(LOAD_V4_PTX, [arith.addi(xa, c32(16))], "rrrr",
                                     side_effects=True))
             for i in range(mt):  # m16 tiles
                 wa = arith.addi(wb, c32(16 * i * w_row + 32 * q))
-                words = (_asm(LOAD_PAIR_PTX, [wa], "rr", side_effects=True)
-                         + _asm(LOAD_PAIR_PTX, [arith.addi(wa, c32(8 * w_row))], "rr",
+                words = (asm(LOAD_PAIR_PTX, [wa], "rr", side_effects=True)
+                         + asm(LOAD_PAIR_PTX, [arith.addi(wa, c32(8 * w_row))], "rr",
                                 side_effects=True))
-                a = _asm(lookup_ptx(), [*words, tb], "r" * 16)
+                a = asm(lookup_ptx(), [*words, tb], "r" * 16)
                 for h in range(n8):
                     d = [zero] * 4
                     for s in range(4):
-                        d = _asm(mma_ptx(dtype), [*a[4 * s:4 * s + 4], *bfrag[h][2 * s:2 * s + 2],
+                        d = asm(mma_ptx(dtype), [*a[4 * s:4 * s + 4], *bfrag[h][2 * s:2 * s + 2],
                                                   *d], "ffff")
                     for e in range(4):  # d0, d1: row g; d2, d3: row g + 8
                         j = (i * n8 + h) * 4 + e
-                        accs[j] = _asm("fma.rn.f32 $0, $1, $2, $3;",
+                        accs[j] = asm("fma.rn.f32 $0, $1, $2, $3;",
                                        [d[e], scales[q][2 * i + e // 2], accs[j]], "f")[0]
         new = vector.from_elements(ir.VectorType.get((n_acc,), f32), accs)
         return fa.FragmentedArray(_registers=np.asarray([new], dtype=object), _layout=layout,
@@ -437,26 +435,10 @@ def matmul_4bit_mgpu_mma(x, packed, absmax, code, *, blocksize: int, out_dtype=N
                          interpret: bool = False, nested=None, config: MmaConfig | None = None):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 16 on a Hopper GPU. x bf16/f16; packed
     (N, K // 2) uint8; absmax (N, K // blocksize) f32 or, with `nested`, the uint8 codes."""
-    what = "matmul_4bit_mgpu_mma"
-    if interpret:
-        raise NotImplementedError(f"{what} has no interpret mode (Mosaic GPU, inline PTX); run "
-                                  "matmul_4bit_mma_reference on CPU")
-    n, k = check_4bit_weight(packed, absmax, code, blocksize, nested, what=what)
-    check_x(x, k, what=what)
-    m = x.shape[0]
-    if x.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"{what}: x must be bfloat16 or float16 (the MMA operand), got {x.dtype}")
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if m == 0:
-        return jnp.zeros((0, n), out_dtype)
-    cfg = config or default_config(m, n, k, blocksize)
-    problem = shape_problem(m, n, k, blocksize, cfg)
-    if problem:
-        raise ValueError(f"{what}: {problem}")
-    scales, nest = scale_operands(absmax, nested, n, k, blocksize)
-    y = _call(x, packed, scales, jnp.asarray(code, jnp.float32), nest, blocksize=blocksize,
-              cfg=cfg, out_dtype=out_dtype)
-    return y.astype(out_dtype)
+    return pair_table_product(
+        "matmul_4bit_mgpu_mma", "matmul_4bit_mma_reference", default_config, shape_problem,
+        _call, x, packed, absmax, code, blocksize=blocksize, out_dtype=out_dtype,
+        interpret=interpret, nested=nested, config=config)
 
 
 VARIANTS = (
