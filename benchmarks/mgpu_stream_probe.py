@@ -34,18 +34,22 @@ SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 STEP_BYTES = 32 * 1024  # a weight tile, as in both kernels
 
 
-def default_splits(n_tiles: int, k_iters: int) -> int:
-    """The kernels' rule: the most K splits dividing the steps with the CTAs within one wave."""
+def default_splits(n_tiles: int, k_iters: int, ctas: int = 1) -> int:
+    """The kernels' rule: the most K splits dividing the steps with the CTAs within one wave
+    (of `ctas` CTAs per SM)."""
     splits = 1
     for d in range(1, k_iters + 1):
-        if k_iters % d == 0 and n_tiles * d <= SMS:
+        if k_iters % d == 0 and n_tiles * d <= SMS * ctas:
             splits = d
     return splits
 
 
-def stream(packed, *, rows: int, stages: int, read: str, splits: int | None = None):
+def stream(packed, *, rows: int, stages: int, read: str, splits: int | None = None,
+           ctas: int = 1):
     """Stream packed (N, K / 2) uint8 through the pipeline in (rows, 32 KiB / rows) tiles; each
-    compute thread xors what it reads into one word, stored per thread: (CTAs' tiles, 256)."""
+    compute thread xors what it reads into one word, stored per thread: (CTAs' tiles, 256).
+    `ctas`: CTAs launched per SM (the kernels run one: their 64 KiB table leaves no room for a
+    second); with 2, two independent pipelines share an SM where shared memory allows."""
     _, pl, plgpu, ir, arith, _, fa, mu = mosaic_modules()
     from jax._src.lib.mlir.dialects import vector
 
@@ -54,7 +58,7 @@ def stream(packed, *, rows: int, stages: int, read: str, splits: int | None = No
     chunks = row_bytes // 128
     k_iters = half_k // row_bytes
     n_tiles = n // rows
-    splits = splits or default_splits(n_tiles, k_iters)
+    splits = splits or default_splits(n_tiles, k_iters, ctas)
     per = k_iters // splits
     shape = (128,)
     layout = fa.WGStridedFragLayout(shape, 1)
@@ -122,7 +126,7 @@ def stream(packed, *, rows: int, stages: int, read: str, splits: int | None = No
     kernel = plgpu.kernel(
         mgpu_stream_probe_kernel,
         out_type=jax.ShapeDtypeStruct((n_tiles * splits, 256), jnp.float32),
-        grid=(sm_count(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(sm_count() * ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return kernel(packed.reshape(n, half_k // 128, 128))
@@ -139,6 +143,7 @@ def main():
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--rows", default="256,128")
     ap.add_argument("--read", default="word,all")
+    ap.add_argument("--ctas", default="1", help="CTAs per SM, e.g. 1,2")
     ap.add_argument("--shapes", default=",".join(f"{k}:{n}" for k, n in SHAPES))
     a = ap.parse_args()
     out = []
@@ -155,14 +160,16 @@ def main():
                 base[f"{name} M=1"] = us_per_product(
                     lambda xs, qs, name=name: [ops.qmatmul(v, q, backend="pallas", variant=name)
                                                for v, q in zip(xs, qs)], (xs, qs), copies)
-            for stages, rows, read in itertools.product(
+            base["xla_copy_tb_s"] = 2 * bytes_moved / us_per_product(
+                lambda ps: [p ^ jnp.uint8(1) for p in ps], (packed,), copies) / 1e6
+            for stages, rows, read, ctas in itertools.product(
                     [int(v) for v in a.stages.split(",")], [int(v) for v in a.rows.split(",")],
-                    a.read.split(",")):
+                    a.read.split(","), [int(v) for v in a.ctas.split(",")]):
                 us = us_per_product(
-                    lambda ps, stages=stages, rows=rows, read=read: [
-                        stream(p, rows=rows, stages=stages, read=read) for p in ps],
+                    lambda ps, stages=stages, rows=rows, read=read, ctas=ctas: [
+                        stream(p, rows=rows, stages=stages, read=read, ctas=ctas) for p in ps],
                     (packed,), copies)
-                row = dict(base, stages=stages, rows=rows, read=read, us=us)
+                row = dict(base, stages=stages, rows=rows, read=read, ctas=ctas, us=us)
                 if isinstance(us, float):
                     row["packed_tb_s"] = bytes_moved / us / 1e6
                 print(json.dumps(row), flush=True)

@@ -69,6 +69,15 @@ class MmaConfig:
     k_splits: int = 1  # K ranges computed by separate CTAs; fp32 partials summed by XLA
     stages: int = 2  # pipeline depth (32 KiB of weight a stage)
     tile_k: int = 256
+    # True: TMA stores the weight tile with the 128-byte swizzle and MMA row g of each 8 reads
+    # tile row rho(g) = 2 (g % 4) + g // 4, so a half-warp's 8-byte loads (rows g = 0..3, 32
+    # bytes each) fall in 32 distinct banks. False: rows g, the plain layout, where those 4
+    # rows sit 128 bytes apart in the same 8 banks: 4-way conflicts (H200 ncu, s19-1)
+    swizzle: bool = True
+    # True: lanes of odd g read the second 16 bytes of their x piece first, so the two tokens
+    # of a quarter-warp hit different banks (their rows are 2 * tile_k bytes apart: 2-way
+    # conflicts otherwise), and 8 selects per 32 bytes put the words back in order
+    x_swap: bool = True
 
     @property
     def col_split(self) -> bool:
@@ -108,9 +117,9 @@ def smem_bytes(m: int, cfg: MmaConfig) -> int:
 
 def default_config(m: int, n: int, k: int, blocksize: int, tile_k: int = 256) -> MmaConfig:
     """K splits: the most that divide the K steps, keep whole scale blocks and the CTAs within
-    one wave of SMs (the GEMV's rule)."""
-    del m
-    cfg = MmaConfig(tile_k=tile_k)
+    one wave of SMs (the GEMV's rule). The swizzle where tile_k allows it; x_swap where x has
+    two tokens (with one, all lanes read the same row: no conflict to avoid)."""
+    cfg = MmaConfig(tile_k=tile_k, swizzle=tile_k == 256, x_swap=m > 1)
     n_tiles, k_iters = n // cfg.cta_rows, k // tile_k
     splits = 1
     for d in range(1, k_iters + 1):
@@ -136,6 +145,8 @@ def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: MmaConfig) -> str
         return f"each K split ({k // cfg.k_splits} columns) must hold whole scale blocks"
     if not 2 <= cfg.stages <= 4:
         return f"stages must be 2..4, got {cfg.stages}"
+    if cfg.swizzle and cfg.tile_k != 256:
+        return f"swizzle needs tile_k = 256 (one 128-byte swizzle row a tile row), got {cfg.tile_k}"
     if smem_bytes(m, cfg) > SMEM_LIMIT:
         return f"{cfg} needs {smem_bytes(m, cfg)} bytes of shared memory, more than {SMEM_LIMIT}"
     return None
@@ -168,6 +179,61 @@ def matmul_4bit_mma_reference(x, packed, absmax, code, *, blocksize: int, out_dt
                        blocksize // GROUP, axis=1)
     y = jnp.sum(sums * scale[None], axis=-1)
     return y.astype(out_dtype or x.dtype)
+
+
+def tile_row(g: int, swizzle: bool) -> int:
+    """The tile row (within its 8) that MMA row g (and g + 8) of a warp's m16 tile reads."""
+    return 2 * (g % 4) + g // 4 if swizzle else g
+
+
+def swizzle_128(address):
+    """Where TMA's 128-byte swizzle puts byte `address` of shared memory: the 16-byte chunk
+    index (bits 4-6) xor the 128-byte row index (bits 7-9); an involution."""
+    address = np.asarray(address, np.int64)
+    return address ^ ((address >> 3) & 0x70)
+
+
+def weight_load_offsets(cfg: MmaConfig, warp: int = 0):
+    """The step's 8-byte weight loads of one warp as the kernel computes them: (physical,
+    logical) byte offsets from the start of the warpgroup's part of the tile, each (groups,
+    m16 tiles, 2 rows, 32 lanes). Physical is where the load reads, logical the byte (row * row
+    bytes + column byte) it must find there; TMA stores logical byte L at swizzle_128(L) when
+    `cfg.swizzle`, else at L (the part starts 1024-byte aligned)."""
+    lane = np.arange(LANES)
+    g, t = lane // 4, lane % 4
+    w_row, mt = cfg.tile_k // 2, cfg.m_tiles
+    row0 = warp * 16 * mt + np.asarray([tile_row(v, cfg.swizzle) for v in g])
+    groups = cfg.wg_cols // GROUP
+    phys = np.zeros((groups, mt, 2, LANES), np.int64)
+    logical = np.zeros_like(phys)
+    for q in range(groups):
+        wq = row0 * w_row + 8 * t + 32 * q
+        wq = swizzle_128(wq) if cfg.swizzle else wq
+        for i in range(mt):
+            for e in range(2):
+                phys[q, i, e] = wq + (16 * i + 8 * e) * w_row
+                logical[q, i, e] = (row0 + 16 * i + 8 * e) * w_row + 32 * q + 8 * t
+    return phys, logical
+
+
+def x_load_offsets(cfg: MmaConfig, m: int):
+    """The step's two 16-byte x loads per (group, n8 tile) of a lane, as the kernel computes
+    them: (first, second) byte offsets into the x tile, each (groups, n8 tiles, 32 lanes), and
+    the byte offsets of the lane's x words 0..3 and 4..7 (columns 64 q + 16 t + 0..7 and
+    + 8..15 of its token) that the selects take from them: with `cfg.x_swap` lanes of odd g
+    read the second half first."""
+    lane = np.arange(LANES)
+    g, t = lane // 4, lane % 4
+    x_row, groups = cfg.tile_k * 2, cfg.wg_cols // GROUP
+    shape = (groups, n_tiles_of(m), LANES)
+    first, second, lo, hi = (np.zeros(shape, np.int64) for _ in range(4))
+    for q in range(groups):
+        for h in range(n_tiles_of(m)):
+            xa = np.minimum(g + 8 * h, m - 1) * x_row + 32 * t + 128 * q
+            lo[q, h], hi[q, h] = xa, xa + 16
+            first[q, h] = xa | ((g & 1) << 4) if cfg.x_swap else xa
+            second[q, h] = first[q, h] ^ 16
+    return first, second, lo, hi
 
 
 def mma_columns(t: int, s: int) -> tuple[int, int, int, int]:
@@ -233,6 +299,12 @@ LOAD_PAIR_PTX = "ld.shared.v2.u32 {$0, $1}, [$2];"
 
 
 # --------------------------------------------------------------------------- Mosaic pieces
+def swizzled_tile_transforms(plgpu):
+    """The weight tile's shared-memory layout with `MmaConfig.swizzle`: 8-row tiles of whole
+    128-byte rows (so the bytes stay row-major) under TMA's 128-byte swizzle."""
+    return plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128)
+
+
 def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: MmaConfig):
     _, _, _, ir, arith, memref, fa, mu = mosaic_modules()
     from jax._src.lib.mlir.dialects import scf, vector
@@ -254,6 +326,12 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
         tid = arith.remui(mu.thread_idx(), c32(128))
         lane = arith.remui(tid, c32(LANES))
         return arith.divui(tid, c32(LANES)), arith.divui(lane, c32(4)), arith.remui(lane, c32(4)), lane
+
+    def first_row(warp, g):
+        """The warpgroup row of MMA row g of the warp's first m16 tile (`tile_row`)."""
+        if cfg.swizzle:
+            g = arith.ori(arith.shli(arith.andi(g, c32(3)), c32(1)), arith.shrui(g, c32(2)))
+        return arith.addi(arith.muli(warp, c32(16 * mt)), g)
 
     def build_table(ctx, table_ref, code_ref):
         """The 256 x 32 words (code[b >> 4], code[b & 15]) in x's dtype, over the 256 compute
@@ -282,10 +360,11 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
         f32 = ir.F32Type.get()
         warp, g, t, lane = thread()
         tb = arith.addi(smem_address(table_ref), arith.muli(lane, c32(4)))
-        row0 = arith.addi(arith.muli(warp, c32(16 * mt)), g)  # row g of m16 tile 0
+        row0 = first_row(warp, g)  # MMA row g of m16 tile 0
         wb = arith.addi(smem_address(w_ref),
                         arith.addi(arith.muli(row0, c32(w_row)), arith.muli(t, c32(8))))
         xb = arith.addi(smem_address(x_ref), arith.muli(t, c32(32)))
+        odd_g = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(g, c32(1)), c32(0))
         nest = nest_operands(nest_refs)
         (vec,) = acc.registers.flat
         accs = [vector.extract(vec, [], [i]) for i in range(n_acc)]
@@ -301,11 +380,21 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
             for h in range(n8):  # token 8 h + g, clamped to x's last row (unused results)
                 tok = arith.minui(arith.addi(g, c32(8 * h)), c32(m - 1))
                 xa = arith.addi(xb, arith.addi(arith.muli(tok, c32(x_row)), c32(128 * q)))
-                bfrag.append(asm(LOAD_V4_PTX, [xa], "rrrr", side_effects=True)
-                             + asm(LOAD_V4_PTX, [arith.addi(xa, c32(16))], "rrrr",
-                                    side_effects=True))
+                if cfg.x_swap:  # odd g: bytes 16..31 first (xa is 32-byte aligned)
+                    xa = arith.ori(xa, arith.shli(arith.andi(g, c32(1)), c32(4)))
+                first = asm(LOAD_V4_PTX, [xa], "rrrr", side_effects=True)
+                second = asm(LOAD_V4_PTX, [arith.xori(xa, c32(16))], "rrrr", side_effects=True)
+                if cfg.x_swap:
+                    first, second = ([arith.select(odd_g, b, a) for a, b in zip(first, second)],
+                                     [arith.select(odd_g, a, b) for a, b in zip(first, second)])
+                bfrag.append(first + second)
+            # the rows' bytes 32 q + 8 t; + 8 w_row (row g + 8) and + 16 w_row (the next m16
+            # tile) are multiples of 1024, which the swizzle leaves alone
+            wq = arith.addi(wb, c32(32 * q))
+            if cfg.swizzle:
+                wq = arith.xori(wq, arith.andi(arith.shrui(wq, c32(3)), c32(0x70)))
             for i in range(mt):  # m16 tiles
-                wa = arith.addi(wb, c32(16 * i * w_row + 32 * q))
+                wa = arith.addi(wq, c32(16 * i * w_row))
                 words = (asm(LOAD_PAIR_PTX, [wa], "rr", side_effects=True)
                          + asm(LOAD_PAIR_PTX, [arith.addi(wa, c32(8 * w_row))], "rr",
                                 side_effects=True))
@@ -324,13 +413,13 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
                                   _is_signed=None)
 
     def finish(ctx, acc, out_ref):
-        """Lane (g, t) holds rows g, g + 8 of each m16 tile for tokens 8 h + 2 t + (0, 1):
+        """Lane (g, t) holds MMA rows g, g + 8 of each m16 tile for tokens 8 h + 2 t + (0, 1):
         stored where the token exists."""
         del ctx
         warp, g, t, _ = thread()
         (vec,) = acc.registers.flat
         out_ty = ir.MemRefType(out_ref.type).element_type
-        row0 = arith.addi(arith.muli(warp, c32(16 * mt)), g)
+        row0 = first_row(warp, g)
         for h in range(n8):
             for e in range(2):
                 token = arith.addi(arith.muli(t, c32(2)), c32(8 * h + e))
@@ -346,11 +435,12 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
                     scf.yield_([])
 
     ref = plgpu.RefType()
+    w_ref_type = plgpu.RefType(swizzled_tile_transforms(plgpu)) if cfg.swizzle else ref
     return dict(
         build_table=plgpu.inline_mgpu(arg_types=(ref, ref), return_type=None)(build_table),
         zeros=plgpu.inline_mgpu(arg_types=(), return_type=acc_type)(zeros),
-        step=plgpu.inline_mgpu(arg_types=(ref,) * (4 + (3 if nested else 0)) + (acc_arg,),
-                               return_type=acc_type)(step),
+        step=plgpu.inline_mgpu(arg_types=(w_ref_type,) + (ref,) * (3 + (3 if nested else 0))
+                               + (acc_arg,), return_type=acc_type)(step),
         finish=plgpu.inline_mgpu(arg_types=(acc_arg, ref), return_type=None)(finish),
     )
 
@@ -370,9 +460,16 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
     # TMA boxes take <= 256 elements a dimension: rows of 256-column chunks (128 bytes of
     # weight, 256 values of x), a step's chunks side by side (the same bytes as (rows, tile_k))
     chunks, chunk_k = tile_k // 256, k_per // 256
+    if cfg.swizzle:  # (rows, 128 bytes) tiles, 8-row tiles of 128 bytes: row-major bytes
+        w_view = packed
+        w_spec = plgpu.BlockSpec((cta_rows, 128), lambda kk: (0, kk),
+                                 transforms=swizzled_tile_transforms(plgpu))
+    else:
+        w_view = packed.reshape(n, k // 256, 128)
+        w_spec = plgpu.BlockSpec((cta_rows, chunks, 128), lambda kk: (0, kk, 0))
     pipeline, allocate = warp_specialized(
         plgpu, pl, grid=(k_per // tile_k,), num_compute_wgs=2, depth=cfg.stages,
-        in_specs=[plgpu.BlockSpec((cta_rows, chunks, 128), lambda kk: (0, kk, 0)),
+        in_specs=[w_spec,
                   plgpu.BlockSpec((m, chunks, 256), lambda kk: (0, kk, 0))])
 
     def matmul_4bit_mgpu_mma_kernel(x_gmem, w_gmem, s_gmem, code_gmem, *rest, table_smem):
@@ -410,8 +507,9 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
                     return f["step"](w_part, x_part, table_smem,
                                      s_tile.at[:, pl.ds(col, step_cols)], *nest_gmem, acc)
 
+                w_cols = k_per // 2 if cfg.swizzle else chunk_k  # a K split's packed bytes / chunks
                 pipeline(body, ctx)(
-                    w_gmem.at[pl.ds(ni * cta_rows, cta_rows), pl.ds(split * chunk_k, chunk_k)],
+                    w_gmem.at[pl.ds(ni * cta_rows, cta_rows), pl.ds(split * w_cols, w_cols)],
                     x_gmem.at[:, pl.ds(split * chunk_k, chunk_k)], allocations=allocs)
 
     out_shape = (cfg.partials, m, n) if cfg.partials > 1 else (m, n)
@@ -426,7 +524,7 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(table_smem=plgpu.SMEM((TABLE_BYTES // 4,), jnp.float32)),
     )
-    y = kernel(x.reshape(m, k // 256, 256), packed.reshape(n, k // 256, 128), scales, code,
+    y = kernel(x.reshape(m, k // 256, 256), w_view, scales, code,
                *(nest or ()))
     return jnp.sum(y, axis=0) if cfg.partials > 1 else y
 

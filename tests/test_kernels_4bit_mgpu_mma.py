@@ -66,6 +66,65 @@ def test_mma_order_is_a_permutation_of_each_group():
                 mm.mma_columns(t, s))
 
 
+def _wavefronts(addresses, width: int) -> int:
+    """Shared-memory wavefronts of loads of `width` bytes at these lane addresses (one warp
+    instruction): lanes go in groups of 128 / width (what one wavefront can serve), and a
+    group takes as many wavefronts as the most distinct 4-byte words any bank must give."""
+    total = 0
+    for group in np.asarray(addresses).reshape(-1, 128 // width):
+        words = {w for a in group for w in range(a // 4, (a + width) // 4)}
+        per_bank = np.bincount([w % 32 for w in words], minlength=32)
+        total += int(per_bank.max())
+    return total
+
+
+@pytest.mark.parametrize("cfg", [mm.MmaConfig(), mm.MmaConfig(swizzle=False),
+                                 mm.MmaConfig(tile_k=512, swizzle=False),
+                                 mm.MmaConfig(tile_k=1024, swizzle=False)])
+def test_weight_loads_find_their_bytes(cfg):
+    """Each of a lane's 8-byte weight loads reads, byte for byte, where TMA put the tile
+    bytes it needs (swizzled or not), for every warp of the warpgroup."""
+    place = mm.swizzle_128 if cfg.swizzle else (lambda a: np.asarray(a))
+    for warp in range(4):
+        phys, logical = mm.weight_load_offsets(cfg, warp)
+        for j in range(8):
+            np.testing.assert_array_equal(place(logical + j), phys + j)
+
+
+def test_swizzled_weight_loads_are_conflict_free():
+    """With the swizzle and the row order rho(g), every 8-byte weight load of a warp takes the
+    ideal 2 wavefronts; the plain layout takes 8 (4-way conflicts: what Nsight Compute counted
+    on the H200 in s19-1, 1.15 M excess wavefronts at M = 16, 4096x14336)."""
+    for swizzle, want in ((True, 2), (False, 8)):
+        phys, _ = mm.weight_load_offsets(mm.MmaConfig(swizzle=swizzle), warp=1)
+        counts = {_wavefronts(a, 8) for a in phys.reshape(-1, 32)}
+        assert counts == {want}, (swizzle, counts)
+    assert sorted(mm.tile_row(g, True) for g in range(8)) == list(range(8))
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 16), x_swap=st.booleans(), tile_k=st.sampled_from([256, 512]))
+def test_x_loads(m, x_swap, tile_k):
+    """The two 16-byte x loads of a lane read its 32 bytes (the selects take words 0..3 from
+    the load at the piece's start), and with x_swap each load takes the ideal 4 wavefronts
+    where the plain order takes up to 8 (2-way conflicts between a quarter-warp's two
+    tokens, s19-1)."""
+    cfg = mm.MmaConfig(tile_k=tile_k, swizzle=tile_k == 256, x_swap=x_swap)
+    first, second, lo, hi = mm.x_load_offsets(cfg, m)
+    odd = (np.arange(32) // 4) % 2 == 1
+    if not x_swap:
+        odd = np.zeros(32, bool)
+    np.testing.assert_array_equal(np.where(odd, second, first), lo)
+    np.testing.assert_array_equal(np.where(odd, first, second), hi)
+    counts = {_wavefronts(a, 16) for a in np.concatenate([first, second]).reshape(-1, 32)}
+    if x_swap or m == 1:
+        assert counts == {4}, counts
+    elif m == 16:  # every quarter-warp of both n8 tiles holds two tokens
+        assert counts == {8}, counts
+    else:  # the lanes past x's last row read it again (broadcasts)
+        assert max(counts) > 4, counts
+
+
 @settings(max_examples=6, deadline=None)
 @given(m=st.integers(1, 16), n256=st.integers(1, 2), k256=st.integers(1, 4),
        log_bs=st.integers(6, 8), splits=st.sampled_from([1, 2]), seed=st.integers(0, 99),
@@ -116,15 +175,18 @@ def test_bad_inputs_get_clear_errors():
         mm.matmul_4bit_mgpu_mma(x32, p32, a32, q32.code, blocksize=32)
     assert "tile_k" in mm.shape_problem(1, 256, 512, 64, mm.MmaConfig(tile_k=128))
     assert "multiple of 128" in mm.shape_problem(1, 192, 512, 64, mm.MmaConfig(tile_k=512))
-    assert mm.shape_problem(1, 192, 1024, 64, mm.MmaConfig(tile_k=1024)) is None
+    assert mm.shape_problem(1, 192, 1024, 64, mm.MmaConfig(tile_k=1024, swizzle=False)) is None
+    assert "swizzle needs tile_k = 256" in mm.shape_problem(
+        1, 192, 1024, 64, mm.MmaConfig(tile_k=1024))
 
 
 @pytest.mark.parametrize("m,n,k,bs,cfg,dtype,nested", [
     (1, 512, 1024, 64, None, jnp.bfloat16, True),
     (5, 256, 512, 128, mm.MmaConfig(k_splits=2), jnp.float16, False),
     (16, 256, 2048, 64, mm.MmaConfig(k_splits=4, stages=3), jnp.bfloat16, True),
-    (3, 128, 1024, 64, mm.MmaConfig(tile_k=512), jnp.bfloat16, True),
-    (12, 192, 2048, 256, mm.MmaConfig(k_splits=2, tile_k=1024), jnp.float16, False),
+    (3, 128, 1024, 64, mm.MmaConfig(tile_k=512, swizzle=False), jnp.bfloat16, True),
+    (12, 192, 2048, 256, mm.MmaConfig(k_splits=2, tile_k=1024, swizzle=False), jnp.float16,
+     False),
 ])
 def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     assert "mosaic_gpu" in lower_for_cuda(mm.matmul_4bit_mgpu_mma, m, n, k, bs, dtype, nested,
@@ -142,10 +204,15 @@ gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosa
     (8, 512, 2048, 64, "nf4", jnp.bfloat16, None),
     (9, 256, 3584, 64, "nf4", jnp.float16, mm.MmaConfig(k_splits=7, stages=3)),
     (16, 768, 4096, 256, "fp4", jnp.bfloat16, None),
-    (1, 384, 2048, 64, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, tile_k=512)),
-    (11, 128, 1536, 128, "nf4", jnp.float16, mm.MmaConfig(k_splits=3, tile_k=512)),
-    (4, 192, 2048, 64, "fp4", jnp.bfloat16, mm.MmaConfig(tile_k=1024)),
-    (16, 320, 4096, 512, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, tile_k=1024)),
+    (1, 384, 2048, 64, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, tile_k=512, swizzle=False)),
+    (11, 128, 1536, 128, "nf4", jnp.float16,
+     mm.MmaConfig(k_splits=3, tile_k=512, swizzle=False, x_swap=False)),
+    (4, 192, 2048, 64, "fp4", jnp.bfloat16, mm.MmaConfig(tile_k=1024, swizzle=False)),
+    (16, 320, 4096, 512, "nf4", jnp.bfloat16,
+     mm.MmaConfig(k_splits=2, tile_k=1024, swizzle=False)),
+    (16, 512, 2048, 64, "nf4", jnp.bfloat16, mm.MmaConfig(swizzle=False, x_swap=False)),
+    (13, 256, 1024, 64, "fp4", jnp.float16, mm.MmaConfig(swizzle=False)),
+    (6, 768, 2048, 128, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, x_swap=False)),
 ])
 def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     q, x, packed, absmax = _problem(m, n, k, bs, quant_type, seed=m + n, x_dtype=dtype)
