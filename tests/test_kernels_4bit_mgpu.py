@@ -349,9 +349,8 @@ def test_auto_picks_the_mosaic_kernel_on_hopper(monkeypatch):
     w = jax.random.normal(jax.random.key(0), (256, 512)) * 0.1
     q = quant.quantize_4bit(w, "nf4", 64, True)
     plan = lambda m, dtype="bfloat16": backends.choose_plan(q, m, "auto", dtype=dtype)
-    assert plan(1) == backends.Plan("pallas", "mgpu_gemv_pair_table", "mgpu_decoded_wgmma_t")
-    assert plan(1, "float32").fwd == "gemv_block_scaled"  # the Hopper GEMV takes 16-bit x
-    for m in (2, 3, 16):
+    assert plan(1, "float32").fwd == "gemv_block_scaled"  # the Hopper kernels take 16-bit x
+    for m in (1, 2, 3, 16):
         assert plan(m) == backends.Plan("pallas", "mgpu_mma_pair_table", "mgpu_decoded_wgmma_t")
     assert plan(2, "float32").fwd == "gemv_block_scaled"
     for m in (17, 64, 65, 128):

@@ -56,7 +56,7 @@ MGPU_MAX_M_4BIT = 1024
 # 2.24 / 2.46. At M = 256 dequant_dot_t is ahead (1.73-2.21 against 2.17-2.98).
 MGPU_T_MAX_M_4BIT = 128
 # 4-bit on Hopper with 16-bit x, M <= GEMV_MAX_M_4BIT where the MMA kernel below does not take
-# the product (since session 18: M = 1, and M = 2 with a shape it excludes, e.g. blocksize 32):
+# the product (since session 19 only shapes it excludes, e.g. blocksize 32 or N % 256 != 0):
 # the Mosaic GPU pair-table GEMV (mgpu_gemv_pair_table: one conflict-free shared-memory load
 # gives a byte's two fp32 codes).
 # H100, session 17, s17-10 (results/..._s17_mgpu_gemv_staged_vs_step_time.json; ratios to bf16
@@ -64,13 +64,14 @@ MGPU_T_MAX_M_4BIT = 128
 # Triton GEMV's 0.714 / 0.632 / 0.620; M = 2 0.681 / 0.483 / 0.503 against 0.969 / 0.701 / 0.749.
 # 4-bit on Hopper with 16-bit x, MGPU_MMA_MIN_M_4BIT <= M <= MGPU_MMA_MAX_M_4BIT: the Mosaic GPU
 # pair-table MMA kernel (mgpu_mma_pair_table: one shared-memory load turns a byte into an
-# mma.sync operand word; codes rounded to x's dtype, absmax applied to fp32 group sums). H100,
-# session 18, s18-6 (results/..._s18_mma_tile_k_time.json; ratios to bf16 at 4096x4096 /
-# 4096x14336 / 14336x4096, same run): M = 2 0.648 / 0.509 / 0.458 against the pair-table
-# GEMV's 0.680 / 0.518 / 0.503; M = 8 0.667 / 0.503 / 0.484 against mgpu_decoded_wgmma's 0.857
-# / 0.730 / 0.710; M = 16 0.706 / 0.540 / 0.536 against 0.713 / 0.640 / 0.655. At M = 1 the
-# GEMV stays (0.605 / 0.466 / 0.452 against 0.635 / 0.504 / 0.451).
-MGPU_MMA_MIN_M_4BIT = 2
+# mma.sync operand word; codes rounded to x's dtype, absmax applied to fp32 group sums). Since
+# session 19 its weight tile is swizzled and its x loads conflict-free; H200, s19-2
+# (results/..._s19_mma_swizzle_time.json; ratios to bf16 at 4096x4096 / 4096x14336 /
+# 14336x4096, same run): M = 1 0.724 / 0.544 / 0.525 against the pair-table GEMV's 0.739 /
+# 0.586 / 0.587 (so it takes M = 1 too); M = 2 0.730 / 0.559 / 0.538 against 0.819 / 0.676 /
+# 0.659; M = 16 0.784 / 0.607 / 0.594 against mgpu_decoded_wgmma's 0.948 / 0.901 / 0.925 and
+# its own unswizzled session-18 form's 0.883 / 0.733 / 0.717.
+MGPU_MMA_MIN_M_4BIT = 1
 MGPU_MMA_MAX_M_4BIT = 16
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
