@@ -32,8 +32,10 @@ partials by shuffles; with K splits the fp32 partials are summed by XLA.
 
 Measured (H100, s17-10, ratio to the bf16 GEMV at 4096x4096 / 4096x14336 / 14336x4096): M = 1
 0.60 / 0.47 / 0.45 (Triton GEMV 0.71 / 0.63 / 0.62), M = 2 0.68 / 0.48 / 0.50 (0.97 / 0.70 /
-0.75). Versions and what limits it: benchmarks/results/README.md, sessions 17 and 18. Since
-session 18 `auto` runs it at M = 1 only; `matmul_4bit_mgpu_mma` (tensor cores) takes M = 2.
+0.75). Versions and what limits it: benchmarks/results/README.md, sessions 17 to 19. Since
+session 19 `auto` runs it only for shapes `matmul_4bit_mgpu_mma` declines (blocksize 32, N not a
+multiple of 256): with its bank conflicts fixed that kernel is faster at M = 1 too (H200 s19-2:
+0.72 / 0.54 / 0.53 x bf16 against this kernel's 0.74 / 0.59 / 0.59).
 
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` re-runs the
 kernel's thread mapping, table layout and block sums in numpy against the reference, the PTX

@@ -25,11 +25,20 @@ k16 step s of group q takes bytes 8 t + 2 s (columns 2t, 2t + 1 of the MMA) and 
 fragment follows the same order, so lane (g, t) reads x columns 64 q + 16 t .. + 15 of token g
 (tokens 8..15 a second n8 tile). K splits are summed by XLA, as in the GEMV.
 
-Measured (H100, s18-6, ratio to bf16 at 4096x4096 / 4096x14336 / 14336x4096): M = 2 0.65 /
-0.51 / 0.46 (the pair-table GEMV 0.68 / 0.52 / 0.50), M = 8 0.67 / 0.50 / 0.48
-(`mgpu_decoded_wgmma` 0.86 / 0.73 / 0.71), M = 16 0.71 / 0.54 / 0.54 (0.71 / 0.64 / 0.66); M = 1
-0.64 / 0.50 / 0.45, where `auto` keeps the GEMV. The time is nearly flat in M up to 8: what
-holds a step at about 2.5 us is not measured yet (benchmarks/results/README.md, session 18).
+Shared-memory banks (session 19): TMA stores the weight tile with the 128-byte swizzle, and
+MMA row g of each 8 reads tile row `tile_row(g)` = 2 (g % 4) + g // 4, so a half-warp's four
+rows (0, 2, 4, 6 or 1, 3, 5, 7 mod 8) cover all 32 banks with their 8-byte loads; lanes of odd
+g read the second 16 bytes of their x piece first (`x_swap`). Before, those loads were 4-way
+and 2-way conflicted: 2.75 M wavefronts against 1.61 M ideal at M = 16, 4096x14336, with the
+shared-memory queue the top stall (H200 ncu, s19-1). `weight_load_offsets` and
+`x_load_offsets` are the kernel's address arithmetic in numpy, for the CPU tests.
+
+Measured (H200, s19-2, ratio to bf16 at 4096x4096 / 4096x14336 / 14336x4096, same run): M = 1
+0.72 / 0.54 / 0.53 (the pair-table GEMV 0.74 / 0.59 / 0.59, so `auto` runs this kernel from
+M = 1), M = 2 0.73 / 0.56 / 0.54, M = 8 0.73 / 0.55 / 0.55, M = 16 0.78 / 0.61 / 0.59 (the
+session-18 layout 0.88 / 0.73 / 0.72; `mgpu_decoded_wgmma` 0.95 / 0.90 / 0.93). The same
+pipeline with no decode streams the weight at 3.3 TB/s, about twice the kernel
+(`benchmarks.mgpu_stream_probe`); what is left is in benchmarks/results/README.md, session 19.
 
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` (the same
 groups and order in float64 sums) against the reference, the lookup program in the tests' PTX
