@@ -162,8 +162,6 @@ def main():
                 base[f"{name} M=1"] = us_per_product(
                     lambda xs, qs, name=name: [ops.qmatmul(v, q, backend="pallas", variant=name)
                                                for v, q in zip(xs, qs)], (xs, qs), copies)
-            base["xla_copy_tb_s"] = 2 * bytes_moved / us_per_product(
-                lambda ps: [p ^ jnp.uint8(1) for p in ps], (packed,), copies) / 1e6
             for stages, rows, read, ctas in itertools.product(
                     [int(v) for v in a.stages.split(",")], [int(v) for v in a.rows.split(",")],
                     a.read.split(","), [int(v) for v in a.ctas.split(",")]):

@@ -79,7 +79,7 @@ class MmaConfig:
     stages: int = 2  # pipeline depth (32 KiB of weight a stage)
     tile_k: int = 256
     # True: TMA stores the weight tile with the 128-byte swizzle and MMA row g of each 8 reads
-    # tile row rho(g) = 2 (g % 4) + g // 4, so a half-warp's 8-byte loads (rows g = 0..3, 32
+    # tile row `tile_row(g)` = 2 (g % 4) + g // 4, so a half-warp's 8-byte loads (rows g = 0..3, 32
     # bytes each) fall in 32 distinct banks. False: rows g, the plain layout, where those 4
     # rows sit 128 bytes apart in the same 8 banks: 4-way conflicts (H200 ncu, s19-1)
     swizzle: bool = True
@@ -373,7 +373,10 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
         wb = arith.addi(smem_address(w_ref),
                         arith.addi(arith.muli(row0, c32(w_row)), arith.muli(t, c32(8))))
         xb = arith.addi(smem_address(x_ref), arith.muli(t, c32(32)))
-        odd_g = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(g, c32(1)), c32(0))
+        if cfg.x_swap:  # odd g reads bytes 16..31 of its piece first
+            g_odd = arith.andi(g, c32(1))
+            swap = arith.cmpi(arith.CmpIPredicate.ne, g_odd, c32(0))
+            first_half = arith.shli(g_odd, c32(4))
         nest = nest_operands(nest_refs)
         (vec,) = acc.registers.flat
         accs = [vector.extract(vec, [], [i]) for i in range(n_acc)]
@@ -389,13 +392,13 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
             for h in range(n8):  # token 8 h + g, clamped to x's last row (unused results)
                 tok = arith.minui(arith.addi(g, c32(8 * h)), c32(m - 1))
                 xa = arith.addi(xb, arith.addi(arith.muli(tok, c32(x_row)), c32(128 * q)))
-                if cfg.x_swap:  # odd g: bytes 16..31 first (xa is 32-byte aligned)
-                    xa = arith.ori(xa, arith.shli(arith.andi(g, c32(1)), c32(4)))
+                if cfg.x_swap:  # xa is 32-byte aligned
+                    xa = arith.ori(xa, first_half)
                 first = asm(LOAD_V4_PTX, [xa], "rrrr", side_effects=True)
                 second = asm(LOAD_V4_PTX, [arith.xori(xa, c32(16))], "rrrr", side_effects=True)
                 if cfg.x_swap:
-                    first, second = ([arith.select(odd_g, b, a) for a, b in zip(first, second)],
-                                     [arith.select(odd_g, a, b) for a, b in zip(first, second)])
+                    first, second = ([arith.select(swap, b, a) for a, b in zip(first, second)],
+                                     [arith.select(swap, a, b) for a, b in zip(first, second)])
                 bfrag.append(first + second)
             # the rows' bytes 32 q + 8 t; + 8 w_row (row g + 8) and + 16 w_row (the next m16
             # tile) are multiples of 1024, which the swizzle leaves alone
