@@ -7,7 +7,7 @@ the Triton GEMV `auto` runs at M <= 2, same run; plus its correctness checks.
         [--shapes 4096:4096,...] [--configs "default;k_splits=4;stages=3"]
     python -m benchmarks.mgpu_gemv_probe time --ms 1,16 --configs default --mma-configs default
                                                           # with the MMA kernel (M <= 16)
-    python -m benchmarks.mgpu_gemv_probe smem-base        # where the pair table starts
+    python -m benchmarks.mgpu_gemv_probe smem-base [--pad 62464]  # where the pair table starts
 
 NF4 blocksize 64 with double quant, bf16 x; device time per product with the weight streamed
 from HBM and distinct x per product (benchmarks/timing.py). Rows go to
@@ -58,9 +58,10 @@ def _gemv(x, q, cfg, out_dtype=None):
                                     nested=nested, config=cfg, out_dtype=out_dtype)
 
 
-def smem_base(out: list) -> None:
+def smem_base(out: list, pad: int = 0) -> None:
     """The shared-window address of a kernel's first scratch buffer, where the GEMV's pair
-    table sits (a one-prmt table address would need it 64 KiB-aligned: `word_ptx`)."""
+    table sits (a one-prmt table address would need it 64 KiB-aligned: `word_ptx`); with `pad`,
+    of a table after a pad of that many bytes (s20: a 62464-byte pad puts it at 65536)."""
     from pallas_kernels.mgpu_pair_table import smem_address
     _, _, plgpu, _, arith, memref, _, _ = mg.mosaic_modules()
     from jax._src.lib.mlir import ir
@@ -71,16 +72,19 @@ def smem_base(out: list) -> None:
         memref.store(smem_address(table_ref), out_ref,
                      [arith.constant(ir.IndexType.get(), 0)])
 
-    def body(out_gmem, *, table_smem, scale_smem):
+    def body(out_gmem, *, table_smem, scale_smem, pad_smem=None):
+        del pad_smem
         store_address(table_smem, out_gmem)
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(1,), grid_names=("x",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(table_smem=plgpu.SMEM((mg.TABLE_FLOATS,), jnp.float32),
+        scratch_types=dict(**({"pad_smem": plgpu.SMEM((pad,), jnp.uint8)} if pad else {}),
+                           table_smem=plgpu.SMEM((mg.TABLE_FLOATS,), jnp.float32),
                            scale_smem=plgpu.SMEM((2, 256), jnp.float32)))
     address = int(jax.jit(kernel)()[0])
-    rec = dict(part="smem-base", table_address=address, aligned_64k=address % 65536 == 0)
+    rec = dict(part="smem-base", pad=pad, table_address=address,
+               aligned_64k=address % 65536 == 0)
     print(json.dumps(rec), flush=True)
     out.append(rec)
 
@@ -168,6 +172,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("part", choices=("check", "time", "smem-base"))
     ap.add_argument("--extra", default="", help="check: config fields added to every case")
+    ap.add_argument("--pad", type=int, default=0, help="smem-base: also with this pad first")
     ap.add_argument("--ms", default="1,2")
     ap.add_argument("--shapes", default=",".join(f"{k}:{n}" for k, n in SHAPES))
     ap.add_argument("--configs", default=";".join(CONFIGS))
@@ -179,6 +184,8 @@ def main():
             check(out, a.extra)
         elif a.part == "smem-base":
             smem_base(out)
+            if a.pad:
+                smem_base(out, a.pad)
         else:
             shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
             time_configs(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"),

@@ -58,7 +58,8 @@ from pallas_kernels.dequantize_4bit import supports_4bit
 from pallas_kernels.mgpu_decode import mosaic_modules
 from pallas_kernels.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
-from pallas_kernels.mgpu_pipeline import SMEM_LIMIT, SMS, sm_count, warp_specialized
+from pallas_kernels.mgpu_pipeline import (
+    FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, sm_count, warp_specialized)
 from pallas_kernels.registry import Variant
 
 MAX_M = 16  # two n8 tiles of tokens
@@ -87,6 +88,17 @@ class MmaConfig:
     # of a quarter-warp hit different banks (their rows are 2 * tile_k bytes apart: 2-way
     # conflicts otherwise), and 8 selects per 32 bytes put the words back in order
     x_swap: bool = True
+    # compute warpgroups (2 or 4). 4 (tile_k = 256 only): each takes 64 of the CTA's 256 rows
+    # (one m16 tile a warp), so each scheduler has 4 warps to hide the lookups' and MMAs'
+    # latency instead of 2, at 96 registers a thread (FOUR_WG_REGISTERS). Correct but slower
+    # (H200 s20-4, before quad_scales: 0.76 / 0.57 / 0.54 x bf16 at M = 1 against 0.73 /
+    # 0.53 / 0.51; 0.87 / 0.67 / 0.61 at M = 16 against 0.77 / 0.58 / 0.56): not a default
+    compute_wgs: int = 2
+    # True: the four lanes of a quad (same rows) each load and de-nest the scales of one
+    # group in four and take the others by shuffles, where each lane loaded all of them (4
+    # times the global loads and de-nesting). H200 s20-5, same run: 0.66 / 0.47 / 0.48 x bf16
+    # at M = 1 against 0.74 / 0.55 / 0.53 without
+    quad_scales: bool = True
 
     @property
     def col_split(self) -> bool:
@@ -94,7 +106,7 @@ class MmaConfig:
 
     @property
     def m_tiles(self) -> int:  # m16 tiles a warp
-        return 1 if self.tile_k == 1024 else 2
+        return 1 if self.tile_k == 1024 or self.compute_wgs == 4 else 2
 
     @property
     def wg_rows(self) -> int:
@@ -102,7 +114,7 @@ class MmaConfig:
 
     @property
     def cta_rows(self) -> int:
-        return self.wg_rows * (1 if self.col_split else 2)
+        return self.wg_rows * (1 if self.col_split else self.compute_wgs)
 
     @property
     def wg_cols(self) -> int:  # weight columns a warpgroup takes a step
@@ -142,6 +154,10 @@ def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: MmaConfig) -> str
         return f"M ({m}) must be 1..{MAX_M}"
     if cfg.tile_k not in TILE_KS:
         return f"tile_k must be one of {TILE_KS}, got {cfg.tile_k}"
+    if cfg.compute_wgs not in (2, 4):
+        return f"compute_wgs must be 2 or 4, got {cfg.compute_wgs}"
+    if cfg.compute_wgs == 4 and cfg.tile_k != 256:
+        return f"compute_wgs = 4 needs tile_k = 256, got {cfg.tile_k}"
     if n % cfg.cta_rows:
         return f"N ({n}) must be a multiple of {cfg.cta_rows}"
     if cfg.k_splits < 1 or k % (cfg.tile_k * cfg.k_splits):
@@ -342,20 +358,24 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
             g = arith.ori(arith.shli(arith.andi(g, c32(3)), c32(1)), arith.shrui(g, c32(2)))
         return arith.addi(arith.muli(warp, c32(16 * mt)), g)
 
+    warps = 4 * cfg.compute_wgs  # compute warps of the CTA: 8 or 16
+
     def build_table(ctx, table_ref, code_ref):
-        """The 256 x 32 words (code[b >> 4], code[b & 15]) in x's dtype, over the 256 compute
-        threads: warp w of the CTA writes bytes w + 8 i, each lane its own copy."""
+        """The 256 x 32 words (code[b >> 4], code[b & 15]) in x's dtype, over the compute
+        threads: warp w of the CTA writes bytes w + warps i, each lane its own copy."""
         del ctx
         *_, lane = thread()
-        w = arith.divui(mu.thread_idx(), c32(LANES))  # 0..7 over both compute warpgroups
+        w = arith.divui(mu.thread_idx(), c32(LANES))  # over all compute warpgroups
         hi = [memref.load(code_ref, [as_idx(c32(v))]) for v in range(16)]
-        lo = [memref.load(code_ref, [as_idx(arith.addi(w, c32(8 * e)))]) for e in range(2)]
+        lo = {e: memref.load(code_ref, [as_idx(arith.addi(w, c32(e)))])
+              for e in sorted({(warps * i) % 16 for i in range(256 // warps)})}
         base = arith.addi(arith.addi(smem_address(table_ref), arith.muli(lane, c32(4))),
                           arith.muli(w, c32(256)))
-        for i in range(32):  # byte b = w + 8 i: hi nibble i // 2, lo nibble w + 8 (i % 2)
-            word = asm(f"{cvt} $0, $1, $2;", [lo[i % 2], hi[i // 2]], "r")[0]
-            asm("st.shared.b32 [$0], $1;", [arith.addi(base, c32(2048 * i)), word])
-        asm(f"bar.sync {TABLE_BARRIER}, 256;", [])
+        for i in range(256 // warps):  # byte b = w + warps i (w < warps <= 16)
+            b0 = warps * i  # hi nibble b0 // 16, lo nibble w + b0 % 16
+            word = asm(f"{cvt} $0, $1, $2;", [lo[b0 % 16], hi[b0 // 16]], "r")[0]
+            asm("st.shared.b32 [$0], $1;", [arith.addi(base, c32(256 * b0)), word])
+        asm(f"bar.sync {TABLE_BARRIER}, {32 * warps};", [])
 
     def zeros(ctx):
         del ctx
@@ -384,9 +404,19 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
         groups = cfg.wg_cols // GROUP
         # all the step's scale loads first (rows g, g + 8 of each m16 tile and group): their
         # global-memory latency then overlaps the step's lookups and MMAs
-        scales = [[load_scale(s_ref, nest, as_idx(arith.addi(row0, c32(16 * i + 8 * e))),
-                              as_idx(c32((GROUP * q) // blocksize))) for i in range(mt)
-                   for e in range(2)] for q in range(groups)]
+        rows = [as_idx(arith.addi(row0, c32(16 * i + 8 * e))) for i in range(mt)
+                for e in range(2)]
+        if cfg.quad_scales:  # lane t loads groups t, t + 4, ...; the quad shares them
+            quad = arith.andi(lane, c32(~3))
+            own = [[load_scale(s_ref, nest, r, as_idx(arith.divui(
+                        arith.muli(arith.addi(t, c32(p)), c32(GROUP)), c32(blocksize))))
+                    for r in rows] for p in range(0, groups, 4)]
+            scales = [[asm("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;",
+                           [v, arith.ori(quad, c32(q % 4))], "f")[0]
+                       for v in own[q // 4]] for q in range(groups)]
+        else:
+            scales = [[load_scale(s_ref, nest, r, as_idx(c32((GROUP * q) // blocksize)))
+                       for r in rows] for q in range(groups)]
         for q in range(groups):
             bfrag = []  # per n8 tile: 8 words, step s at (2 s, 2 s + 1)
             for h in range(n8):  # token 8 h + g, clamped to x's last row (unused results)
@@ -480,7 +510,7 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
         w_view = packed.reshape(n, k // 256, 128)
         w_spec = plgpu.BlockSpec((cta_rows, chunks, 128), lambda kk: (0, kk, 0))
     pipeline, allocate = warp_specialized(
-        plgpu, pl, grid=(k_per // tile_k,), num_compute_wgs=2, depth=cfg.stages,
+        plgpu, pl, grid=(k_per // tile_k,), num_compute_wgs=cfg.compute_wgs, depth=cfg.stages,
         in_specs=[w_spec,
                   plgpu.BlockSpec((m, chunks, 256), lambda kk: (0, kk, 0))])
 
@@ -530,14 +560,14 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=(sm_count(),),
         grid_names=("sm",),
-        num_threads=3,  # two compute warpgroups and the memory warpgroup
+        num_threads=cfg.compute_wgs + 1,  # the compute warpgroups and the memory warpgroup
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(table_smem=plgpu.SMEM((TABLE_BYTES // 4,), jnp.float32)),
     )
-    y = kernel(x.reshape(m, k // 256, 256), w_view, scales, code,
-               *(nest or ()))
+    with compute_registers_held(FOUR_WG_REGISTERS if cfg.compute_wgs == 4 else None):
+        y = kernel(x.reshape(m, k // 256, 256), w_view, scales, code, *(nest or ()))
     return jnp.sum(y, axis=0) if cfg.partials > 1 else y
 
 

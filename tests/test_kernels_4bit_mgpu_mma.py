@@ -79,6 +79,7 @@ def _wavefronts(addresses, width: int) -> int:
 
 
 @pytest.mark.parametrize("cfg", [mm.MmaConfig(), mm.MmaConfig(swizzle=False),
+                                 mm.MmaConfig(compute_wgs=4),
                                  mm.MmaConfig(tile_k=512, swizzle=False),
                                  mm.MmaConfig(tile_k=1024, swizzle=False)])
 def test_weight_loads_find_their_bytes(cfg):
@@ -95,10 +96,10 @@ def test_swizzled_weight_loads_are_conflict_free():
     """With the swizzle and the row order rho(g), every 8-byte weight load of a warp takes the
     ideal 2 wavefronts; the plain layout takes 8 (4-way conflicts: what Nsight Compute counted
     on the H200 in s19-1, 1.15 M excess wavefronts at M = 16, 4096x14336)."""
-    for swizzle, want in ((True, 2), (False, 8)):
-        phys, _ = mm.weight_load_offsets(mm.MmaConfig(swizzle=swizzle), warp=1)
+    for swizzle, wgs, want in ((True, 2, 2), (False, 2, 8), (True, 4, 2), (False, 4, 8)):
+        phys, _ = mm.weight_load_offsets(mm.MmaConfig(swizzle=swizzle, compute_wgs=wgs), warp=1)
         counts = {_wavefronts(a, 8) for a in phys.reshape(-1, 32)}
-        assert counts == {want}, (swizzle, counts)
+        assert counts == {want}, (swizzle, wgs, counts)
     assert sorted(mm.tile_row(g, True) for g in range(8)) == list(range(8))
 
 
@@ -178,6 +179,10 @@ def test_bad_inputs_get_clear_errors():
     assert mm.shape_problem(1, 192, 1024, 64, mm.MmaConfig(tile_k=1024, swizzle=False)) is None
     assert "swizzle needs tile_k = 256" in mm.shape_problem(
         1, 192, 1024, 64, mm.MmaConfig(tile_k=1024))
+    assert "compute_wgs must be 2 or 4" in mm.shape_problem(
+        1, 256, 512, 64, mm.MmaConfig(compute_wgs=3))
+    assert "compute_wgs = 4 needs tile_k = 256" in mm.shape_problem(
+        1, 256, 1024, 64, mm.MmaConfig(compute_wgs=4, tile_k=512, swizzle=False))
 
 
 @pytest.mark.parametrize("m,n,k,bs,cfg,dtype,nested", [
@@ -186,6 +191,9 @@ def test_bad_inputs_get_clear_errors():
     (16, 256, 2048, 64, mm.MmaConfig(k_splits=4, stages=3), jnp.bfloat16, True),
     (3, 128, 1024, 64, mm.MmaConfig(tile_k=512, swizzle=False), jnp.bfloat16, True),
     (12, 192, 2048, 256, mm.MmaConfig(k_splits=2, tile_k=1024, swizzle=False), jnp.float16,
+     False),
+    (1, 512, 1024, 64, mm.MmaConfig(compute_wgs=4), jnp.bfloat16, True),
+    (16, 256, 2048, 128, mm.MmaConfig(compute_wgs=4, swizzle=False, k_splits=2), jnp.float16,
      False),
 ])
 def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
@@ -213,6 +221,16 @@ gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosa
     (16, 512, 2048, 64, "nf4", jnp.bfloat16, mm.MmaConfig(swizzle=False, x_swap=False)),
     (13, 256, 1024, 64, "fp4", jnp.float16, mm.MmaConfig(swizzle=False)),
     (6, 768, 2048, 128, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, x_swap=False)),
+    (4, 512, 1024, 64, "nf4", jnp.bfloat16, mm.MmaConfig(quad_scales=False)),
+    (16, 256, 1024, 64, "fp4", jnp.bfloat16, mm.MmaConfig(stages=3)),
+    (3, 256, 2048, 64, "nf4", jnp.bfloat16,
+     mm.MmaConfig(tile_k=512, swizzle=False)),  # 8 groups a step: lanes take t and t + 4
+    # four compute warpgroups (one m16 tile a warp)
+    (1, 256, 512, 64, "nf4", jnp.bfloat16, mm.MmaConfig(compute_wgs=4)),
+    (16, 512, 2048, 64, "nf4", jnp.bfloat16, mm.MmaConfig(compute_wgs=4, k_splits=2)),
+    (5, 768, 1024, 128, "fp4", jnp.float16,
+     mm.MmaConfig(compute_wgs=4, swizzle=False, x_swap=False)),
+    (9, 256, 3584, 64, "nf4", jnp.float16, mm.MmaConfig(compute_wgs=4, k_splits=7, stages=3)),
 ])
 def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     q, x, packed, absmax = _problem(m, n, k, bs, quant_type, seed=m + n, x_dtype=dtype)
