@@ -99,6 +99,9 @@ class MmaConfig:
     # times the global loads and de-nesting). H200 s20-5, same run: 0.66 / 0.47 / 0.48 x bf16
     # at M = 1 against 0.74 / 0.55 / 0.53 without
     quad_scales: bool = True
+    # True: the 256 double-quant codes are copied into shared memory once a tile, and each
+    # scale's de-nesting reads its entry there instead of from global memory
+    nested_code_smem: bool = True
 
     @property
     def col_split(self) -> bool:
@@ -330,7 +333,8 @@ def swizzled_tile_transforms(plgpu):
     return plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128)
 
 
-def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: MmaConfig):
+def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: MmaConfig,
+            smem_code: bool = False):
     _, _, _, ir, arith, memref, fa, mu = mosaic_modules()
     from jax._src.lib.mlir.dialects import scf, vector
     n8, mt = n_tiles_of(m), cfg.m_tiles
@@ -360,11 +364,18 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
 
     warps = 4 * cfg.compute_wgs  # compute warps of the CTA: 8 or 16
 
-    def build_table(ctx, table_ref, code_ref):
+    def build_table(ctx, table_ref, code_ref, *nested_code):
         """The 256 x 32 words (code[b >> 4], code[b & 15]) in x's dtype, over the compute
-        threads: warp w of the CTA writes bytes w + warps i, each lane its own copy."""
+        threads: warp w of the CTA writes bytes w + warps i, each lane its own copy. With
+        `nested_code` (gmem, smem): the 256 double-quant codes copied to shared memory too,
+        so that each scale's de-nesting reads its code entry there (a shared-memory load where
+        it was a global one, behind the load of the scale's own code)."""
         del ctx
         *_, lane = thread()
+        if nested_code:
+            src, dst = nested_code
+            i = as_idx(arith.andi(mu.thread_idx(), c32(255)))
+            memref.store(memref.load(src, [i]), dst, [i])
         w = arith.divui(mu.thread_idx(), c32(LANES))  # over all compute warpgroups
         hi = [memref.load(code_ref, [as_idx(c32(v))]) for v in range(16)]
         lo = {e: memref.load(code_ref, [as_idx(arith.addi(w, c32(e)))])
@@ -479,7 +490,8 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
     ref = plgpu.RefType()
     w_ref_type = plgpu.RefType(swizzled_tile_transforms(plgpu)) if cfg.swizzle else ref
     return dict(
-        build_table=plgpu.inline_mgpu(arg_types=(ref, ref), return_type=None)(build_table),
+        build_table=plgpu.inline_mgpu(arg_types=(ref,) * (4 if smem_code else 2),
+                                      return_type=None)(build_table),
         zeros=plgpu.inline_mgpu(arg_types=(), return_type=acc_type)(zeros),
         step=plgpu.inline_mgpu(arg_types=(w_ref_type,) + (ref,) * (3 + (3 if nested else 0))
                                + (acc_arg,), return_type=acc_type)(step),
@@ -498,7 +510,8 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
     split_cols = k_per // blocksize
     step_cols = max(1, wg_cols // blocksize)  # scale columns of a warpgroup's part of a step
     out_dtype = jnp.float32 if cfg.partials > 1 else out_dtype
-    f = _pieces(plgpu, m, x.dtype, blocksize, k // blocksize, nest is not None, cfg)
+    smem_code = nest is not None and cfg.nested_code_smem
+    f = _pieces(plgpu, m, x.dtype, blocksize, k // blocksize, nest is not None, cfg, smem_code)
     # TMA boxes take <= 256 elements a dimension: rows of 256-column chunks (128 bytes of
     # weight, 256 values of x), a step's chunks side by side (the same bytes as (rows, tile_k))
     chunks, chunk_k = tile_k // 256, k_per // 256
@@ -514,8 +527,12 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
         in_specs=[w_spec,
                   plgpu.BlockSpec((m, chunks, 256), lambda kk: (0, kk, 0))])
 
-    def matmul_4bit_mgpu_mma_kernel(x_gmem, w_gmem, s_gmem, code_gmem, *rest, table_smem):
+    def matmul_4bit_mgpu_mma_kernel(x_gmem, w_gmem, s_gmem, code_gmem, *rest, table_smem,
+                                    **smem):
         *nest_gmem, out_gmem = rest
+        ncode_smem = smem.get("ncode_smem")  # the nested code table, copied in build_table
+        nest_copy = (nest_gmem[0], ncode_smem) if smem_code else ()
+        nest_refs = (ncode_smem, *nest_gmem[1:]) if smem_code else tuple(nest_gmem)
 
         @functools.partial(pl.run_scoped, allocs=allocate(w_gmem, x_gmem),
                            collective_axes="wg")
@@ -535,7 +552,7 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
                 s_tile = s_gmem.at[pl.ds(row0, wg_rows), pl.ds(split * split_cols, split_cols)]
 
                 def ctx(run):
-                    f["build_table"](table_smem, code_gmem)
+                    f["build_table"](table_smem, code_gmem, *nest_copy)
                     f["finish"](run(f["zeros"]()), dst)
 
                 def body(indices, w_smem, x_smem, acc):
@@ -547,7 +564,7 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
                     else:
                         w_part, x_part = w_smem.at[pl.ds(wg * wg_rows, wg_rows)], x_smem
                     return f["step"](w_part, x_part, table_smem,
-                                     s_tile.at[:, pl.ds(col, step_cols)], *nest_gmem, acc)
+                                     s_tile.at[:, pl.ds(col, step_cols)], *nest_refs, acc)
 
                 w_cols = k_per // 2 if cfg.swizzle else chunk_k  # a K split's packed bytes / chunks
                 pipeline(body, ctx)(
@@ -564,7 +581,9 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(table_smem=plgpu.SMEM((TABLE_BYTES // 4,), jnp.float32)),
+        scratch_types=dict(table_smem=plgpu.SMEM((TABLE_BYTES // 4,), jnp.float32),
+                           **({"ncode_smem": plgpu.SMEM((256,), jnp.float32)} if smem_code
+                              else {})),
     )
     with compute_registers_held(FOUR_WG_REGISTERS if cfg.compute_wgs == 4 else None):
         y = kernel(x.reshape(m, k // 256, 256), w_view, scales, code, *(nest or ()))

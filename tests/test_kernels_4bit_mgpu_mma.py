@@ -222,6 +222,7 @@ gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosa
     (13, 256, 1024, 64, "fp4", jnp.float16, mm.MmaConfig(swizzle=False)),
     (6, 768, 2048, 128, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, x_swap=False)),
     (4, 512, 1024, 64, "nf4", jnp.bfloat16, mm.MmaConfig(quad_scales=False)),
+    (10, 256, 2048, 128, "nf4", jnp.float16, mm.MmaConfig(nested_code_smem=False, k_splits=2)),
     (16, 256, 1024, 64, "fp4", jnp.bfloat16, mm.MmaConfig(stages=3)),
     (3, 256, 2048, 64, "nf4", jnp.bfloat16,
      mm.MmaConfig(tile_k=512, swizzle=False)),  # 8 groups a step: lanes take t and t + 4
