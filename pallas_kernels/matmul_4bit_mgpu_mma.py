@@ -40,6 +40,14 @@ session-18 layout 0.88 / 0.73 / 0.72; `mgpu_decoded_wgmma` 0.95 / 0.90 / 0.93). 
 pipeline with no decode streams the weight at 3.3 TB/s, about twice the kernel
 (`benchmarks.mgpu_stream_probe`); what is left is in benchmarks/results/README.md, session 19.
 
+Scales (session 20): the four lanes of a quad hold the same rows, so each loads and de-nests
+the scales of one group in four and shuffles share them (`quad_scales`), and the double-quant
+code table is read from shared memory (`nested_code_smem`): M = 1 0.64 / 0.49 / 0.45 x bf16 (H200
+s20-12). The scale path still costs about 10-15% (a run with constant scales: 0.61 / 0.42 /
+0.41). Tried and slower (benchmarks/results/README.md, session 20): stream-K over all SMs with
+in-kernel partial sums, four compute warpgroups (`compute_wgs = 4`, kept as a config), a 64 KiB-
+aligned pair table (one prmt a byte), the next step's scales prefetched.
+
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` (the same
 groups and order in float64 sums) against the reference, the lookup program in the tests' PTX
 interpreter, and CUDA lowering.
