@@ -142,9 +142,11 @@ def n_tiles_of(m: int) -> int:
 
 
 def smem_bytes(m: int, cfg: MmaConfig) -> int:
+    """The pair table, the stages' weight and x tiles and (nested_code_smem) the 256 f32
+    double-quant codes, each rounded up to 1 KiB."""
     up = lambda b: -(-b // 1024) * 1024
     return (up(TABLE_BYTES) + up(cfg.stages * cfg.cta_rows * cfg.tile_k // 2)
-            + up(cfg.stages * m * cfg.tile_k * 2))
+            + up(cfg.stages * m * cfg.tile_k * 2) + (1024 if cfg.nested_code_smem else 0))
 
 
 def default_config(m: int, n: int, k: int, blocksize: int, tile_k: int = 256) -> MmaConfig:
