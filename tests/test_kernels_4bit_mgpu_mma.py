@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from jqlora.quant import tables
 from pallas_kernels import matmul_4bit_mgpu_mma as mm
+from pallas_kernels import mgpu_mma_layout as ml
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from mosaic_lowering import lower_for_cuda
 from test_kernels_4bit_mgpu_gemv import _problem, _run
@@ -85,9 +86,9 @@ def _wavefronts(addresses, width: int) -> int:
 def test_weight_loads_find_their_bytes(cfg):
     """Each of a lane's 8-byte weight loads reads, byte for byte, where TMA put the tile
     bytes it needs (swizzled or not), for every warp of the warpgroup."""
-    place = mm.swizzle_128 if cfg.swizzle else (lambda a: np.asarray(a))
+    place = ml.swizzle_128 if cfg.swizzle else (lambda a: np.asarray(a))
     for warp in range(4):
-        phys, logical = mm.weight_load_offsets(cfg, warp)
+        phys, logical = ml.weight_load_offsets(cfg, warp)
         for j in range(8):
             np.testing.assert_array_equal(place(logical + j), phys + j)
 
@@ -97,10 +98,10 @@ def test_swizzled_weight_loads_are_conflict_free():
     ideal 2 wavefronts; the plain layout takes 8 (4-way conflicts: what Nsight Compute counted
     on the H200 in s19-1, 1.15 M excess wavefronts at M = 16, 4096x14336)."""
     for swizzle, wgs, want in ((True, 2, 2), (False, 2, 8), (True, 4, 2), (False, 4, 8)):
-        phys, _ = mm.weight_load_offsets(mm.MmaConfig(swizzle=swizzle, compute_wgs=wgs), warp=1)
+        phys, _ = ml.weight_load_offsets(mm.MmaConfig(swizzle=swizzle, compute_wgs=wgs), warp=1)
         counts = {_wavefronts(a, 8) for a in phys.reshape(-1, 32)}
         assert counts == {want}, (swizzle, wgs, counts)
-    assert sorted(mm.tile_row(g, True) for g in range(8)) == list(range(8))
+    assert sorted(ml.tile_row(g, True) for g in range(8)) == list(range(8))
 
 
 @settings(max_examples=20, deadline=None)
@@ -111,7 +112,7 @@ def test_x_loads(m, x_swap, tile_k):
     where the plain order takes up to 8 (2-way conflicts between a quarter-warp's two
     tokens, s19-1)."""
     cfg = mm.MmaConfig(tile_k=tile_k, swizzle=tile_k == 256, x_swap=x_swap)
-    first, second, lo, hi = mm.x_load_offsets(cfg, m)
+    first, second, lo, hi = ml.x_load_offsets(cfg, m)
     odd = (np.arange(32) // 4) % 2 == 1
     if not x_swap:
         odd = np.zeros(32, bool)
@@ -153,14 +154,24 @@ def test_emulation_matches_the_references(m, n256, k256, log_bs, splits, seed, f
 
 @given(m=st.integers(1, 20), n32=st.integers(1, 640), k32=st.integers(1, 640),
        log_bs=st.integers(5, 12))
-def test_default_config_is_valid_wherever_supported(m, n32, k32, log_bs):
+def test_supports_follows_its_rule(m, n32, k32, log_bs):
     n, k, bs = 32 * n32, 32 * k32, 2 ** log_bs
     want = m <= 16 and n % 256 == 0 and k % 256 == 0 and bs >= 64 and k % bs == 0
     assert mm.supports(m, n, k, bs) == want
-    if want:
-        cfg = mm.default_config(m, n, k, bs)
-        assert mm.shape_problem(m, n, k, bs, cfg) is None
-        assert (n // mm.CTA_ROWS) * cfg.k_splits <= mm.SMS
+
+
+@given(m=st.integers(1, 16), n256=st.integers(1, 200), k256=st.integers(1, 80),
+       log_bs=st.integers(6, 12))
+def test_default_config_is_valid_wherever_supported(m, n256, k256, log_bs):
+    """On supported shapes only (a random shape rarely is one): the default config passes its
+    own checks and keeps the K splits within one wave of SMs."""
+    n, k, bs = 256 * n256, 256 * k256, 2 ** log_bs
+    if k % bs:
+        bs = 64
+    assert mm.supports(m, n, k, bs)
+    cfg = mm.default_config(m, n, k, bs)
+    assert mm.shape_problem(m, n, k, bs, cfg) is None
+    assert cfg.k_splits == 1 or (n // cfg.cta_rows) * cfg.k_splits <= mm.SMS
 
 
 def test_bad_inputs_get_clear_errors():
