@@ -4,7 +4,7 @@ the Triton GEMV `auto` runs at M <= 2, same run; plus its correctness checks.
     python -m benchmarks.mgpu_gemv_probe check            # errors vs the fp32 reference
     python -m benchmarks.mgpu_gemv_probe check --extra interleave=1   # those fields on each case
     python -m benchmarks.mgpu_gemv_probe time --ms 1,2    # one JSON line per (shape, M)
-        [--shapes 4096:4096,...] [--configs "default;k_splits=4;stages=3"]
+        [--shapes 4096:4096,...] [--configs "default;k_splits=4;stages=3" or none] [--tag _b]
     python -m benchmarks.mgpu_gemv_probe time --ms 1,16 --configs default --mma-configs default
                                                           # with the MMA kernel (M <= 16)
     python -m benchmarks.mgpu_gemv_probe smem-base [--pad 62464]  # where the pair table starts
@@ -177,6 +177,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(f"{k}:{n}" for k, n in SHAPES))
     ap.add_argument("--configs", default=";".join(CONFIGS))
     ap.add_argument("--mma-configs", default="", help='MmaConfig texts, e.g. "default;stages=3"')
+    ap.add_argument("--tag", default="", help="suffix of the JSON file's name (several runs "
+                                              "in one call)")
     a = ap.parse_args()
     out: list = []
     try:
@@ -188,10 +190,11 @@ def main():
                 smem_base(out, a.pad)
         else:
             shapes = [tuple(int(v) for v in s.split(":")) for s in a.shapes.split(",")]
-            time_configs(out, [int(v) for v in a.ms.split(",")], shapes, a.configs.split(";"),
+            time_configs(out, [int(v) for v in a.ms.split(",")], shapes,
+                         [t for t in a.configs.split(";") if t and t != "none"],
                          [t for t in a.mma_configs.split(";") if t])
     finally:
-        write_rows(out, f"mgpu_gemv_probe_{a.part.replace('-', '_')}.json")
+        write_rows(out, f"mgpu_gemv_probe_{a.part.replace('-', '_')}{a.tag}.json")
 
 
 if __name__ == "__main__":
