@@ -143,7 +143,7 @@ def _mma(x, q, cfg):
 def _mma_config(text: str, m: int, n: int, k: int) -> mm.MmaConfig:
     fields = {a: int(b) for a, b in (kv.split("=") for kv in text.split(",")
                                       if kv and kv != "default")}
-    base = mm.default_config(m, n, k, 64, tile_k=fields.get("tile_k", 256))
+    base = mm.default_config(m, n, k, 64, tile_k=fields.get("tile_k"))
     return dataclasses.replace(base, **fields)
 
 

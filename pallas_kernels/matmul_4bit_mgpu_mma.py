@@ -73,11 +73,29 @@ from pallas_kernels.mgpu_pipeline import (
 from pallas_kernels.registry import Variant
 
 MAX_M = 16  # two n8 tiles of tokens
-def default_config(m: int, n: int, k: int, blocksize: int, tile_k: int = 256) -> MmaConfig:
+def default_config(m: int, n: int, k: int, blocksize: int,
+                   tile_k: int | None = None) -> MmaConfig:
     """K splits: the most that divide the K steps, keep whole scale blocks and the CTAs within
     one wave of SMs (the GEMV's rule). The swizzle where tile_k allows it; x_swap where x has
-    two tokens (with one, all lanes read the same row: no conflict to avoid)."""
-    cfg = MmaConfig(tile_k=tile_k, swizzle=tile_k == 256, x_swap=m > 1)
+    two tokens (with one, all lanes read the same row: no conflict to avoid).
+
+    tile_k (None: chosen): 512 where 128-row tiles fill at least as many SMs in one wave
+    without a K split as 256-row tiles do with theirs. Its two warpgroups' partials are then
+    summed in the CTA (`wg_reduce`) and y is stored by the kernel: no XLA sum of K-split
+    partials, a kernel of its own (1.3-1.8 us a call). H100 s21-10, same run, ratio to bf16:
+    4096x14336 (112 CTAs either way) M = 1 0.376 against 0.394, M = 16 0.369 against 0.408;
+    where 128-row tiles would need K splits (4096x4096, 14336x4096) 256 stays (0.547 against
+    0.530 and 0.403 against 0.374 at M = 1 with 512)."""
+    if tile_k is None:
+        base = default_config(m, n, k, blocksize, 256)
+        wide = default_config(m, n, k, blocksize, 512)
+        if (n % 256 == 0 and wide.k_splits == 1 and n // wide.cta_rows <= SMS
+                and n // wide.cta_rows >= (n // base.cta_rows) * base.k_splits
+                and shape_problem(m, n, k, blocksize, wide) is None):
+            return wide
+        return base
+    cfg = MmaConfig(tile_k=tile_k, swizzle=tile_k in (256, 512), x_swap=m > 1,
+                    wg_reduce=tile_k > 256)
     n_tiles, k_iters = n // cfg.cta_rows, k // tile_k
     splits = 1
     for d in range(1, k_iters + 1):
@@ -107,8 +125,11 @@ def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: MmaConfig) -> str
         return f"each K split ({k // cfg.k_splits} columns) must hold whole scale blocks"
     if not 2 <= cfg.stages <= 4:
         return f"stages must be 2..4, got {cfg.stages}"
-    if cfg.swizzle and cfg.tile_k != 256:
-        return f"swizzle needs tile_k = 256 (one 128-byte swizzle row a tile row), got {cfg.tile_k}"
+    if cfg.swizzle and cfg.tile_k not in (256, 512):
+        return (f"swizzle needs tile_k = 256 or 512 (one 128-byte swizzle row a warpgroup's "
+                f"tile row), got {cfg.tile_k}")
+    if cfg.wg_reduce and not cfg.col_split:
+        return f"wg_reduce needs tile_k > 256 (warpgroups sharing rows), got {cfg.tile_k}"
     if smem_bytes(m, cfg) > SMEM_LIMIT:
         return f"{cfg} needs {smem_bytes(m, cfg)} bytes of shared memory, more than {SMEM_LIMIT}"
     return None
@@ -210,7 +231,7 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
     _, _, _, ir, arith, memref, fa, mu = mosaic_modules()
     from jax._src.lib.mlir.dialects import scf, vector
     n8, mt = n_tiles_of(m), cfg.m_tiles
-    w_row, x_row = cfg.tile_k // 2, cfg.tile_k * 2  # bytes of a weight / x row of the tile
+    w_row, x_row = cfg.w_row, cfg.tile_k * 2  # bytes of a weight / x row of the tile
     n_acc = mt * n8 * 4  # m16 tiles x n8 tiles x the 4 accumulators of a fragment
     shape = (128 * n_acc,)
     layout = fa.WGStridedFragLayout(shape, n_acc)
@@ -264,16 +285,23 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
         del ctx
         return fa.FragmentedArray.splat(arith.constant(ir.F32Type.get(), 0.0), shape, layout)
 
-    def step(ctx, w_ref, x_ref, table_ref, s_ref, *rest):
+    two_parts = cfg.col_split and cfg.swizzle  # each warpgroup's half: a buffer of its own
+
+    def step(ctx, w_ref, *rest):
         """One pipeline step: this warp's 16 mt rows of the warpgroup's (wg_rows, wg_cols)
         part of the weight tile, wg_cols / 64 groups; s_ref: the part's window of the scales."""
         del ctx
-        *nest_refs, acc = rest
+        w_base = smem_address(w_ref)
+        if two_parts:  # warpgroup 1 reads the second buffer
+            w_other, *rest = rest
+            second = arith.cmpi(arith.CmpIPredicate.uge, mu.thread_idx(), c32(128))
+            w_base = arith.select(second, smem_address(w_other), w_base)
+        x_ref, table_ref, s_ref, *nest_refs, acc = rest
         f32 = ir.F32Type.get()
         warp, g, t, lane = thread()
         tb = arith.addi(smem_address(table_ref), arith.muli(lane, c32(4)))
         row0 = first_row(warp, g)  # MMA row g of m16 tile 0
-        wb = arith.addi(smem_address(w_ref),
+        wb = arith.addi(w_base,
                         arith.addi(arith.muli(row0, c32(w_row)), arith.muli(t, c32(8))))
         xb = arith.addi(smem_address(x_ref), arith.muli(t, c32(32)))
         if cfg.x_swap:  # odd g reads bytes 16..31 of its piece first
@@ -341,8 +369,34 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
         """Lane (g, t) holds MMA rows g, g + 8 of each m16 tile for tokens 8 h + 2 t + (0, 1):
         stored where the token exists."""
         del ctx
-        warp, g, t, _ = thread()
         (vec,) = acc.registers.flat
+        store_values([vector.extract(vec, [], [i]) for i in range(n_acc)], out_ref)
+
+    def finish_pair(ctx, acc, red_ref, out_ref):
+        """`wg_reduce`: warpgroup 1 puts its partial in shared memory (value i of thread t at
+        float 128 i + t: conflict-free), the two meet at a named barrier, and warpgroup 0 adds
+        it to its own (same rows, same register order) and stores y. The next tile's table
+        barrier keeps warpgroup 1 from writing again before warpgroup 0 has read."""
+        del ctx
+        (vec,) = acc.registers.flat
+        mine = [vector.extract(vec, [], [i]) for i in range(n_acc)]
+        tid = arith.remui(mu.thread_idx(), c32(128))
+        second = arith.cmpi(arith.CmpIPredicate.uge, mu.thread_idx(), c32(128))
+        at = lambda i: [as_idx(arith.addi(tid, c32(128 * i)))]
+        branch = scf.IfOp(second)
+        with ir.InsertionPoint(branch.then_block):
+            for i, v in enumerate(mine):
+                memref.store(v, red_ref, at(i))
+            scf.yield_([])
+        asm(f"bar.sync {TABLE_BARRIER}, 256;", [])
+        branch = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, mu.thread_idx(), c32(128)))
+        with ir.InsertionPoint(branch.then_block):
+            store_values([arith.addf(v, memref.load(red_ref, at(i))) for i, v in enumerate(mine)],
+                         out_ref)
+            scf.yield_([])
+
+    def store_values(vals, out_ref):
+        warp, g, t, _ = thread()
         out_ty = ir.MemRefType(out_ref.type).element_type
         row0 = first_row(warp, g)
         for h in range(n8):
@@ -352,7 +406,7 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
                 with ir.InsertionPoint(branch.then_block):
                     for i in range(mt):
                         for half in range(2):
-                            v = vector.extract(vec, [], [(i * n8 + h) * 4 + 2 * half + e])
+                            v = vals[(i * n8 + h) * 4 + 2 * half + e]
                             if out_ty != ir.F32Type.get():
                                 v = arith.truncf(out_ty, v)
                             row = arith.addi(row0, c32(16 * i + 8 * half))
@@ -365,9 +419,12 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
         build_table=plgpu.inline_mgpu(arg_types=(ref,) * (4 if smem_code else 2),
                                       return_type=None)(build_table),
         zeros=plgpu.inline_mgpu(arg_types=(), return_type=acc_type)(zeros),
-        step=plgpu.inline_mgpu(arg_types=(w_ref_type,) + (ref,) * (3 + (3 if nested else 0))
-                               + (acc_arg,), return_type=acc_type)(step),
+        step=plgpu.inline_mgpu(arg_types=(w_ref_type,) * (2 if two_parts else 1)
+                               + (ref,) * (3 + (3 if nested else 0)) + (acc_arg,),
+                               return_type=acc_type)(step),
         finish=plgpu.inline_mgpu(arg_types=(acc_arg, ref), return_type=None)(finish),
+        finish_pair=plgpu.inline_mgpu(arg_types=(acc_arg, ref, ref),
+                                      return_type=None)(finish_pair),
     )
 
 
@@ -387,17 +444,18 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
     # TMA boxes take <= 256 elements a dimension: rows of 256-column chunks (128 bytes of
     # weight, 256 values of x), a step's chunks side by side (the same bytes as (rows, tile_k))
     chunks, chunk_k = tile_k // 256, k_per // 256
-    if cfg.swizzle:  # (rows, 128 bytes) tiles, 8-row tiles of 128 bytes: row-major bytes
+    if cfg.swizzle:  # (rows, 128 bytes) tiles, 8-row tiles of 128 bytes: row-major bytes;
+        # a step's chunks are separate buffers (one a warpgroup with tile_k = 512)
         w_view = packed
-        w_spec = plgpu.BlockSpec((cta_rows, 128), lambda kk: (0, kk),
-                                 transforms=swizzled_tile_transforms(plgpu))
+        w_specs = [plgpu.BlockSpec((cta_rows, 128), lambda kk, j=j: (0, kk * chunks + j),
+                                   transforms=swizzled_tile_transforms(plgpu))
+                   for j in range(chunks)]
     else:
         w_view = packed.reshape(n, k // 256, 128)
-        w_spec = plgpu.BlockSpec((cta_rows, chunks, 128), lambda kk: (0, kk, 0))
+        w_specs = [plgpu.BlockSpec((cta_rows, chunks, 128), lambda kk: (0, kk, 0))]
     pipeline, allocate = warp_specialized(
         plgpu, pl, grid=(k_per // tile_k,), num_compute_wgs=cfg.compute_wgs, depth=cfg.stages,
-        in_specs=[w_spec,
-                  plgpu.BlockSpec((m, chunks, 256), lambda kk: (0, kk, 0))])
+        in_specs=[*w_specs, plgpu.BlockSpec((m, chunks, 256), lambda kk: (0, kk, 0))])
 
     def matmul_4bit_mgpu_mma_kernel(x_gmem, w_gmem, s_gmem, code_gmem, *rest, table_smem,
                                     **smem):
@@ -406,7 +464,10 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
         nest_copy = (nest_gmem[0], ncode_smem) if smem_code else ()
         nest_refs = (ncode_smem, *nest_gmem[1:]) if smem_code else tuple(nest_gmem)
 
-        @functools.partial(pl.run_scoped, allocs=allocate(w_gmem, x_gmem),
+        w_inputs = (w_gmem,) * len(w_specs)  # each spec takes its own chunks of the weight
+        red_smem = smem.get("red_smem")  # wg_reduce: warpgroup 1's partial
+
+        @functools.partial(pl.run_scoped, allocs=allocate(*w_inputs, x_gmem),
                            collective_axes="wg")
         def _scope(allocs):
             wg = lax.axis_index("wg")
@@ -416,7 +477,8 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
                 (lin,) = info.index
                 split, ni = lin % splits, lin // splits
                 if cfg.col_split:  # all the CTA's rows, half of each step's columns
-                    row0, col0, part = ni * cta_rows, wg * wg_cols, split * 2 + wg
+                    row0, col0 = ni * cta_rows, wg * wg_cols
+                    part = split if cfg.wg_reduce else split * 2 + wg
                 else:  # half of the CTA's rows, all of each step's columns
                     row0, col0, part = ni * cta_rows + wg * wg_rows, 0, split
                 out = out_gmem.at[part] if cfg.partials > 1 else out_gmem
@@ -425,23 +487,29 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
 
                 def ctx(run):
                     f["build_table"](table_smem, code_gmem, *nest_copy)
-                    f["finish"](run(f["zeros"]()), dst)
+                    if cfg.wg_reduce:
+                        f["finish_pair"](run(f["zeros"]()), red_smem, dst)
+                    else:
+                        f["finish"](run(f["zeros"]()), dst)
 
-                def body(indices, w_smem, x_smem, acc):
+                def body(indices, *rest):
                     (kk,) = indices
+                    *w_smems, x_smem, acc = rest
                     col = (kk * tile_k + col0) // blocksize
                     if cfg.col_split:
                         half = pl.ds(wg * (chunks // 2), chunks // 2)
-                        w_part, x_part = w_smem.at[:, half], x_smem.at[:, half]
+                        x_part = x_smem.at[:, half]
+                        w_parts = w_smems if cfg.swizzle else [w_smems[0].at[:, half]]
                     else:
-                        w_part, x_part = w_smem.at[pl.ds(wg * wg_rows, wg_rows)], x_smem
-                    return f["step"](w_part, x_part, table_smem,
+                        w_parts, x_part = [w_smems[0].at[pl.ds(wg * wg_rows, wg_rows)]], x_smem
+                    return f["step"](*w_parts, x_part, table_smem,
                                      s_tile.at[:, pl.ds(col, step_cols)], *nest_refs, acc)
 
                 w_cols = k_per // 2 if cfg.swizzle else chunk_k  # a K split's packed bytes / chunks
-                pipeline(body, ctx)(
-                    w_gmem.at[pl.ds(ni * cta_rows, cta_rows), pl.ds(split * w_cols, w_cols)],
-                    x_gmem.at[:, pl.ds(split * chunk_k, chunk_k)], allocations=allocs)
+                w_tile = w_gmem.at[pl.ds(ni * cta_rows, cta_rows), pl.ds(split * w_cols, w_cols)]
+                pipeline(body, ctx)(*(w_tile,) * len(w_specs),
+                                    x_gmem.at[:, pl.ds(split * chunk_k, chunk_k)],
+                                    allocations=allocs)
 
     out_shape = (cfg.partials, m, n) if cfg.partials > 1 else (m, n)
     kernel = plgpu.kernel(
@@ -453,9 +521,11 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(table_smem=plgpu.SMEM((TABLE_BYTES // 4,), jnp.float32),
-                           **({"ncode_smem": plgpu.SMEM((256,), jnp.float32)} if smem_code
-                              else {})),
+        scratch_types=dict(
+            table_smem=plgpu.SMEM((TABLE_BYTES // 4,), jnp.float32),
+            **({"ncode_smem": plgpu.SMEM((256,), jnp.float32)} if smem_code else {}),
+            **({"red_smem": plgpu.SMEM((128 * cfg.m_tiles * n_tiles_of(m) * 4,), jnp.float32)}
+               if cfg.wg_reduce else {})),
     )
     with compute_registers_held(FOUR_WG_REGISTERS if cfg.compute_wgs == 4 else None):
         y = kernel(x.reshape(m, k // 256, 256), w_view, scales, code, *(nest or ()))

@@ -26,7 +26,8 @@ class MmaConfig:
     k_splits: int = 1  # K ranges computed by separate CTAs; fp32 partials summed by XLA
     stages: int = 2  # pipeline depth (32 KiB of weight a stage)
     tile_k: int = 256
-    # True: TMA stores the weight tile with the 128-byte swizzle and MMA row g of each 8 reads
+    # True (tile_k 256 or 512): TMA stores the weight tile (with tile_k = 512 each warpgroup's
+    # 128-byte half of it, a buffer of its own) with the 128-byte swizzle and MMA row g of each 8 reads
     # tile row `tile_row(g)` = 2 (g % 4) + g // 4, so a half-warp's 8-byte loads (rows g = 0..3, 32
     # bytes each) fall in 32 distinct banks. False: rows g, the plain layout, where those 4
     # rows sit 128 bytes apart in the same 8 banks: 4-way conflicts (H200 ncu, s19-1)
@@ -49,6 +50,10 @@ class MmaConfig:
     # True: the 256 double-quant codes are copied into shared memory once a tile, and each
     # scale's de-nesting reads its entry there instead of from global memory
     nested_code_smem: bool = True
+    # True (tile_k > 256): the two compute warpgroups' fp32 partials (same rows, each half of
+    # the columns) are summed in the CTA through shared memory, so XLA sums K splits only
+    # (none with k_splits = 1: y is stored by the kernel)
+    wg_reduce: bool = False
 
     @property
     def col_split(self) -> bool:
@@ -72,7 +77,11 @@ class MmaConfig:
 
     @property
     def partials(self) -> int:  # fp32 partial products XLA sums
-        return self.k_splits * (2 if self.col_split else 1)
+        return self.k_splits * (2 if self.col_split and not self.wg_reduce else 1)
+
+    @property
+    def w_row(self) -> int:  # bytes between weight rows in a warpgroup's part of the tile
+        return 128 if self.swizzle else self.tile_k // 2
 
 
 def n_tiles_of(m: int) -> int:
@@ -81,11 +90,13 @@ def n_tiles_of(m: int) -> int:
 
 
 def smem_bytes(m: int, cfg: MmaConfig) -> int:
-    """The pair table, the stages' weight and x tiles and (nested_code_smem) the 256 f32
-    double-quant codes, each rounded up to 1 KiB."""
+    """The pair table, the stages' weight and x tiles, (nested_code_smem) the 256 f32
+    double-quant codes and (wg_reduce) a warpgroup's fp32 partial, each rounded up to 1 KiB."""
     up = lambda b: -(-b // 1024) * 1024
     return (up(TABLE_BYTES) + up(cfg.stages * cfg.cta_rows * cfg.tile_k // 2)
-            + up(cfg.stages * m * cfg.tile_k * 2) + (1024 if cfg.nested_code_smem else 0))
+            + up(cfg.stages * m * cfg.tile_k * 2) + (1024 if cfg.nested_code_smem else 0)
+            + (up(128 * cfg.m_tiles * n_tiles_of(m) * 4 * 4)
+               if cfg.col_split and cfg.wg_reduce else 0))
 
 
 def tile_row(g: int, swizzle: bool) -> int:
@@ -108,7 +119,7 @@ def weight_load_offsets(cfg: MmaConfig, warp: int = 0):
     `cfg.swizzle`, else at L (the part starts 1024-byte aligned)."""
     lane = np.arange(LANES)
     g, t = lane // 4, lane % 4
-    w_row, mt = cfg.tile_k // 2, cfg.m_tiles
+    w_row, mt = cfg.w_row, cfg.m_tiles
     row0 = warp * 16 * mt + np.asarray([tile_row(v, cfg.swizzle) for v in g])
     groups = cfg.wg_cols // GROUP
     phys = np.zeros((groups, mt, 2, LANES), np.int64)

@@ -82,6 +82,7 @@ def _wavefronts(addresses, width: int) -> int:
 @pytest.mark.parametrize("cfg", [mm.MmaConfig(), mm.MmaConfig(swizzle=False),
                                  mm.MmaConfig(compute_wgs=4),
                                  mm.MmaConfig(tile_k=512, swizzle=False),
+                                 mm.MmaConfig(tile_k=512, wg_reduce=True),
                                  mm.MmaConfig(tile_k=1024, swizzle=False)])
 def test_weight_loads_find_their_bytes(cfg):
     """Each of a lane's 8-byte weight loads reads, byte for byte, where TMA put the tile
@@ -97,10 +98,13 @@ def test_swizzled_weight_loads_are_conflict_free():
     """With the swizzle and the row order rho(g), every 8-byte weight load of a warp takes the
     ideal 2 wavefronts; the plain layout takes 8 (4-way conflicts: what Nsight Compute counted
     on the H200 in s19-1, 1.15 M excess wavefronts at M = 16, 4096x14336)."""
-    for swizzle, wgs, want in ((True, 2, 2), (False, 2, 8), (True, 4, 2), (False, 4, 8)):
-        phys, _ = ml.weight_load_offsets(mm.MmaConfig(swizzle=swizzle, compute_wgs=wgs), warp=1)
+    for swizzle, wgs, tile_k, want in ((True, 2, 256, 2), (False, 2, 256, 8), (True, 4, 256, 2),
+                                       (False, 4, 256, 8), (True, 2, 512, 2),
+                                       (False, 2, 512, 8)):
+        cfg = mm.MmaConfig(swizzle=swizzle, compute_wgs=wgs, tile_k=tile_k)
+        phys, _ = ml.weight_load_offsets(cfg, warp=1)
         counts = {_wavefronts(a, 8) for a in phys.reshape(-1, 32)}
-        assert counts == {want}, (swizzle, wgs, counts)
+        assert counts == {want}, (swizzle, wgs, tile_k, counts)
     assert sorted(ml.tile_row(g, True) for g in range(8)) == list(range(8))
 
 
@@ -194,6 +198,24 @@ def test_bad_inputs_get_clear_errors():
         1, 256, 512, 64, mm.MmaConfig(compute_wgs=3))
     assert "compute_wgs = 4 needs tile_k = 256" in mm.shape_problem(
         1, 256, 1024, 64, mm.MmaConfig(compute_wgs=4, tile_k=512, swizzle=False))
+    assert "wg_reduce needs tile_k > 256" in mm.shape_problem(
+        1, 256, 1024, 64, mm.MmaConfig(wg_reduce=True))
+    cfg = mm.default_config(16, 14336, 4096, 64, tile_k=512)  # y stored by the kernel
+    assert (cfg.swizzle, cfg.wg_reduce, cfg.k_splits, cfg.partials) == (True, True, 1, 1)
+    assert mm.MmaConfig(tile_k=512, k_splits=3).partials == 6
+
+
+@pytest.mark.parametrize("k,n,tile_k,splits", [(4096, 14336, 512, 1), (4096, 11008, 512, 1),
+                                               (4096, 4096, 256, 8), (14336, 4096, 256, 8),
+                                               (8192, 28672, 256, 1), (4096, 1024, 256, 16)])
+def test_default_takes_512_column_steps_where_they_need_no_k_split(k, n, tile_k, splits):
+    """128-row tiles (512-column steps, the warpgroups' partials summed in the CTA) where they
+    fill as many SMs in one wave without a K split as 256-row tiles with theirs; else 256."""
+    for m in (1, 16):
+        cfg = mm.default_config(m, n, k, 64)
+        assert (cfg.tile_k, cfg.k_splits) == (tile_k, splits)
+        assert cfg.wg_reduce == (tile_k == 512) and cfg.swizzle
+        assert mm.shape_problem(m, n, k, 64, cfg) is None
 
 
 @pytest.mark.parametrize("m,n,k,bs,cfg,dtype,nested", [
@@ -206,6 +228,10 @@ def test_bad_inputs_get_clear_errors():
     (1, 512, 1024, 64, mm.MmaConfig(compute_wgs=4), jnp.bfloat16, True),
     (16, 256, 2048, 128, mm.MmaConfig(compute_wgs=4, swizzle=False, k_splits=2), jnp.float16,
      False),
+    (1, 512, 1024, 64, mm.MmaConfig(tile_k=512, wg_reduce=True), jnp.bfloat16, True),
+    (16, 256, 2048, 128, mm.MmaConfig(tile_k=512, wg_reduce=True, k_splits=2), jnp.float16,
+     False),
+    (5, 512, 2048, 64, mm.MmaConfig(tile_k=512), jnp.bfloat16, True),
 ])
 def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     assert "mosaic_gpu" in lower_for_cuda(mm.matmul_4bit_mgpu_mma, m, n, k, bs, dtype, nested,
@@ -243,6 +269,16 @@ gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosa
     (5, 768, 1024, 128, "fp4", jnp.float16,
      mm.MmaConfig(compute_wgs=4, swizzle=False, x_swap=False)),
     (9, 256, 3584, 64, "nf4", jnp.float16, mm.MmaConfig(compute_wgs=4, k_splits=7, stages=3)),
+    # 512-column steps: each warpgroup's swizzled half in its own buffer; the warpgroups'
+    # partials summed in the CTA (wg_reduce) with and without K splits, or by XLA
+    (1, 256, 1024, 64, "nf4", jnp.bfloat16, mm.MmaConfig(tile_k=512, wg_reduce=True)),
+    (16, 384, 2048, 64, "nf4", jnp.bfloat16, mm.MmaConfig(tile_k=512, wg_reduce=True)),
+    (7, 256, 3072, 128, "fp4", jnp.float16,
+     mm.MmaConfig(tile_k=512, wg_reduce=True, k_splits=3)),
+    (12, 128, 2048, 256, "nf4", jnp.bfloat16, mm.MmaConfig(tile_k=512)),
+    (2, 128, 1024, 64, "nf4", jnp.bfloat16,
+     mm.MmaConfig(tile_k=512, swizzle=False, wg_reduce=True, stages=3)),
+    (16, 128 * 150, 1024, 64, "nf4", jnp.bfloat16, mm.MmaConfig(tile_k=512, wg_reduce=True)),
 ])
 def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     q, x, packed, absmax = _problem(m, n, k, bs, quant_type, seed=m + n, x_dtype=dtype)
