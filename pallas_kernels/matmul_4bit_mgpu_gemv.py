@@ -57,7 +57,8 @@ from pallas_kernels.mgpu_decode import mosaic_modules
 from pallas_kernels.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
 from pallas_kernels.mgpu_pipeline import (
-    FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, sm_count, warp_specialized)
+    FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, grid_fills, sm_count,
+    warp_specialized)
 from pallas_kernels.registry import Variant
 
 MAX_M = 2
@@ -154,9 +155,13 @@ def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: GemvConfig) -> st
 
 
 def supports(m: int, n: int, k: int, blocksize: int) -> bool:
-    """Shapes the default config takes (`shape_problem` holds every condition)."""
-    return (supports_4bit(m, n, k, blocksize)
-            and shape_problem(m, n, k, blocksize, default_config(m, n, k, blocksize)) is None)
+    """Shapes the default config takes (`shape_problem` holds every condition) and whose grid
+    fills the GPU (`grid_fills`)."""
+    if not supports_4bit(m, n, k, blocksize):
+        return False
+    cfg = default_config(m, n, k, blocksize)
+    return (shape_problem(m, n, k, blocksize, cfg) is None
+            and grid_fills(n // CTA_ROWS, k // TILE_K, cfg.k_splits))
 
 
 def available() -> bool:

@@ -48,6 +48,14 @@ s20-12). The scale path still costs about 10-15% (a run with constant scales: 0.
 in-kernel partial sums, four compute warpgroups (`compute_wgs = 4`, kept as a config), a 64 KiB-
 aligned pair table (one prmt a byte), the next step's scales prefetched.
 
+K-split sums (session 21): XLA's sum of the K splits' fp32 partials is a kernel of its own,
+1.3-1.8 us a call (H100 s21-8: the MMA kernel alone 0.38 / 0.38 x bf16 at M = 16 on the large
+shapes, the call 0.41 / 0.42). With 512-column steps (`tile_k = 512`) the two warpgroups share
+128 rows, each half of the columns in its own swizzled TMA buffer, and sum their partials in the
+CTA (`wg_reduce`); where that needs no K split (`default_config`: 4096x14336 among the protocol
+shapes) the kernel stores y and the call is one kernel: M = 16 0.374 x bf16 against 0.403 (H100
+s21-11). Summing K splits across a thread-block cluster was no faster (results README).
+
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` (the same
 groups and order in float64 sums) against the reference, the lookup program in the tests' PTX
 interpreter, and CUDA lowering.
@@ -69,7 +77,8 @@ from pallas_kernels.mgpu_mma_layout import (
 from pallas_kernels.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
 from pallas_kernels.mgpu_pipeline import (
-    FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, sm_count, warp_specialized)
+    FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, grid_fills, sm_count,
+    warp_specialized)
 from pallas_kernels.registry import Variant
 
 MAX_M = 16  # two n8 tiles of tokens
@@ -136,8 +145,12 @@ def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: MmaConfig) -> str
 
 
 def supports(m: int, n: int, k: int, blocksize: int) -> bool:
-    return (supports_4bit(m, n, k, blocksize)
-            and shape_problem(m, n, k, blocksize, default_config(m, n, k, blocksize)) is None)
+    """Shapes the default config takes and whose grid fills the GPU (`grid_fills`)."""
+    if not supports_4bit(m, n, k, blocksize):
+        return False
+    cfg = default_config(m, n, k, blocksize)
+    return (shape_problem(m, n, k, blocksize, cfg) is None
+            and grid_fills(n // cfg.cta_rows, k // cfg.tile_k, cfg.k_splits))
 
 
 def available() -> bool:

@@ -159,20 +159,41 @@ def test_emulation_matches_the_references(m, n256, k256, log_bs, splits, seed, f
 @given(m=st.integers(1, 20), n32=st.integers(1, 640), k32=st.integers(1, 640),
        log_bs=st.integers(5, 12))
 def test_supports_follows_its_rule(m, n32, k32, log_bs):
+    """The shape rule, and of those shapes the ones whose default grid gives a quarter of the
+    SMs a CTA or has fewer steps than SMs (`grid_fills`)."""
     n, k, bs = 32 * n32, 32 * k32, 2 ** log_bs
-    want = m <= 16 and n % 256 == 0 and k % 256 == 0 and bs >= 64 and k % bs == 0
-    assert mm.supports(m, n, k, bs) == want
+    shape_ok = m <= 16 and n % 256 == 0 and k % 256 == 0 and bs >= 64 and k % bs == 0
+    if not shape_ok:
+        assert not mm.supports(m, n, k, bs)
+        return
+    cfg = mm.default_config(m, n, k, bs)
+    tiles, steps = n // cfg.cta_rows, k // cfg.tile_k
+    assert mm.supports(m, n, k, bs) == (tiles * cfg.k_splits >= mm.SMS / 4
+                                        or tiles * steps < mm.SMS)
+
+
+def test_pair_table_kernels_decline_a_grid_that_leaves_most_sms_idle():
+    """Llama-2-7B's down projection (K = 11008: 43 steps, prime) would run as 16 CTAs with no
+    K split; both pair-table kernels decline it (`auto` then takes the Triton GEMV / the wgmma
+    kernel) and keep its transpose (86 CTAs) and the protocol shapes."""
+    from pallas_kernels import matmul_4bit_mgpu_gemv as mg
+    for m in (1, 2):
+        assert not mm.supports(m, 4096, 11008, 64) and not mg.supports(m, 4096, 11008, 64)
+        assert mm.supports(m, 11008, 4096, 64) and mg.supports(m, 11008, 4096, 64)
+    assert not mm.supports(16, 4096, 11008, 64) and mm.supports(16, 11008, 4096, 64)
+    for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (256, 512)):
+        assert mm.supports(1, n, k, 64) and mg.supports(1, n, k, 64)
 
 
 @given(m=st.integers(1, 16), n256=st.integers(1, 200), k256=st.integers(1, 80),
        log_bs=st.integers(6, 12))
 def test_default_config_is_valid_wherever_supported(m, n256, k256, log_bs):
-    """On supported shapes only (a random shape rarely is one): the default config passes its
-    own checks and keeps the K splits within one wave of SMs."""
+    """On shapes the kernel can take (a random shape rarely is one; whether its grid fills the
+    GPU aside): the default config passes its own checks and keeps the K splits within one
+    wave of SMs."""
     n, k, bs = 256 * n256, 256 * k256, 2 ** log_bs
     if k % bs:
         bs = 64
-    assert mm.supports(m, n, k, bs)
     cfg = mm.default_config(m, n, k, bs)
     assert mm.shape_problem(m, n, k, bs, cfg) is None
     assert cfg.k_splits == 1 or (n // cfg.cta_rows) * cfg.k_splits <= mm.SMS
