@@ -302,7 +302,9 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
 
     def step(ctx, w_ref, *rest):
         """One pipeline step: this warp's 16 mt rows of the warpgroup's (wg_rows, wg_cols)
-        part of the weight tile, wg_cols / 64 groups; s_ref: the part's window of the scales."""
+        part of the weight tile, wg_cols / 64 groups; s_ref: the part's window of the scales.
+        With swizzled 512-column steps (`two_parts`) both warpgroups' halves come, as two
+        buffers, and each warpgroup reads its own."""
         del ctx
         w_base = smem_address(w_ref)
         if two_parts:  # warpgroup 1 reads the second buffer

@@ -27,10 +27,10 @@ class MmaConfig:
     stages: int = 2  # pipeline depth (32 KiB of weight a stage)
     tile_k: int = 256
     # True (tile_k 256 or 512): TMA stores the weight tile (with tile_k = 512 each warpgroup's
-    # 128-byte half of it, a buffer of its own) with the 128-byte swizzle and MMA row g of each 8 reads
-    # tile row `tile_row(g)` = 2 (g % 4) + g // 4, so a half-warp's 8-byte loads (rows g = 0..3, 32
-    # bytes each) fall in 32 distinct banks. False: rows g, the plain layout, where those 4
-    # rows sit 128 bytes apart in the same 8 banks: 4-way conflicts (H200 ncu, s19-1)
+    # 128-byte half of it, a buffer of its own) with the 128-byte swizzle and MMA row g of each
+    # 8 reads tile row `tile_row(g)` = 2 (g % 4) + g // 4, so a half-warp's 8-byte loads (rows
+    # g = 0..3, 32 bytes each) fall in 32 distinct banks. False: rows g, the plain layout, where
+    # those 4 rows sit 128 bytes apart in the same 8 banks: 4-way conflicts (H200 ncu, s19-1)
     swizzle: bool = True
     # True: lanes of odd g read the second 16 bytes of their x piece first, so the two tokens
     # of a quarter-warp hit different banks (their rows are 2 * tile_k bytes apart: 2-way

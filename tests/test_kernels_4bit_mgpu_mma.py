@@ -300,6 +300,8 @@ gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosa
     (2, 128, 1024, 64, "nf4", jnp.bfloat16,
      mm.MmaConfig(tile_k=512, swizzle=False, wg_reduce=True, stages=3)),
     (16, 128 * 150, 1024, 64, "nf4", jnp.bfloat16, mm.MmaConfig(tile_k=512, wg_reduce=True)),
+    (9, 192, 2048, 64, "fp4", jnp.float16,
+     mm.MmaConfig(tile_k=1024, swizzle=False, wg_reduce=True, k_splits=2)),
 ])
 def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     q, x, packed, absmax = _problem(m, n, k, bs, quant_type, seed=m + n, x_dtype=dtype)
