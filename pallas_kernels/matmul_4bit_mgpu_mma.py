@@ -73,7 +73,7 @@ from jax import lax
 from pallas_kernels.dequantize_4bit import supports_4bit
 from pallas_kernels.mgpu_decode import mosaic_modules
 from pallas_kernels.mgpu_mma_layout import (
-    GROUP, TABLE_BYTES, TILE_KS, MmaConfig, mma_columns, n_tiles_of, smem_bytes)
+    GROUP, TABLE_BYTES, TILE_KS, MmaConfig, acc_count, mma_columns, n_tiles_of, smem_bytes)
 from pallas_kernels.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
 from pallas_kernels.mgpu_pipeline import (
@@ -245,7 +245,7 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: 
     from jax._src.lib.mlir.dialects import scf, vector
     n8, mt = n_tiles_of(m), cfg.m_tiles
     w_row, x_row = cfg.w_row, cfg.tile_k * 2  # bytes of a weight / x row of the tile
-    n_acc = mt * n8 * 4  # m16 tiles x n8 tiles x the 4 accumulators of a fragment
+    n_acc = acc_count(m, cfg)
     shape = (128 * n_acc,)
     layout = fa.WGStridedFragLayout(shape, n_acc)
     acc_arg = plgpu.Layout.WG_STRIDED(shape, vec_size=n_acc)
@@ -539,7 +539,7 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
         scratch_types=dict(
             table_smem=plgpu.SMEM((TABLE_BYTES // 4,), jnp.float32),
             **({"ncode_smem": plgpu.SMEM((256,), jnp.float32)} if smem_code else {}),
-            **({"red_smem": plgpu.SMEM((128 * cfg.m_tiles * n_tiles_of(m) * 4,), jnp.float32)}
+            **({"red_smem": plgpu.SMEM((128 * acc_count(m, cfg),), jnp.float32)}
                if cfg.wg_reduce else {})),
     )
     with compute_registers_held(FOUR_WG_REGISTERS if cfg.compute_wgs == 4 else None):

@@ -22,7 +22,8 @@ class MmaConfig:
     """A step is a (cta_rows x tile_k) weight tile, 32 KiB packed. tile_k = 256: each compute
     warpgroup takes 128 of the CTA's 256 rows (128 bytes of a row a step); 512 / 1024: both
     warpgroups take all of the CTA's 128 / 64 rows, each half of the step's columns (256 / 512
-    contiguous bytes of a row a step), their fp32 partials summed by XLA like K splits."""
+    contiguous bytes of a row a step), their fp32 partials summed in the CTA (`wg_reduce`) or
+    by XLA like K splits."""
     k_splits: int = 1  # K ranges computed by separate CTAs; fp32 partials summed by XLA
     stages: int = 2  # pipeline depth (32 KiB of weight a stage)
     tile_k: int = 256
@@ -89,14 +90,18 @@ def n_tiles_of(m: int) -> int:
     return -(-m // 8)
 
 
+def acc_count(m: int, cfg: MmaConfig) -> int:
+    """fp32 accumulators a compute thread holds: m16 tiles x n8 tiles x a fragment's 4."""
+    return cfg.m_tiles * n_tiles_of(m) * 4
+
+
 def smem_bytes(m: int, cfg: MmaConfig) -> int:
     """The pair table, the stages' weight and x tiles, (nested_code_smem) the 256 f32
     double-quant codes and (wg_reduce) a warpgroup's fp32 partial, each rounded up to 1 KiB."""
     up = lambda b: -(-b // 1024) * 1024
     return (up(TABLE_BYTES) + up(cfg.stages * cfg.cta_rows * cfg.tile_k // 2)
             + up(cfg.stages * m * cfg.tile_k * 2) + (1024 if cfg.nested_code_smem else 0)
-            + (up(128 * cfg.m_tiles * n_tiles_of(m) * 4 * 4)
-               if cfg.col_split and cfg.wg_reduce else 0))
+            + (up(128 * acc_count(m, cfg) * 4) if cfg.wg_reduce else 0))
 
 
 def tile_row(g: int, swizzle: bool) -> int:
