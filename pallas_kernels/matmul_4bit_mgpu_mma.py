@@ -56,6 +56,16 @@ CTA (`wg_reduce`); where that needs no K split (`default_config`: 4096x14336 amo
 shapes) the kernel stores y and the call is one kernel: M = 16 0.374 x bf16 against 0.403 (H100
 s21-11). Summing K splits across a thread-block cluster was no faster (results README).
 
+K splits that do not divide the steps (session 22): a prime step count left one split, 16 CTAs
+for Llama-2-7B's down projection (K = 11008, 43 steps), so `auto` ran slower kernels there.
+Each split now runs a window of ceil(steps / splits) steps; the last window is moved back to end
+at K and skips (`lax.cond` around the step) the steps the split before it took, so every step
+is summed once, in the same per-split order (`mgpu_mma_layout.split_windows`). The skipped
+steps are still loaded (at most splits - 1 of them). H200 s22-1, ratio to bf16, same run: K =
+11008, N = 4096 M = 1 0.458 (8 splits, 128 CTAs) against the Triton GEMV's 0.818, M = 16 0.518
+against the wgmma kernel's 1.396; Qwen2.5-7B's down projection (K = 18944, 74 steps, N = 3584)
+0.429 and 0.486 against 0.779 and 0.894.
+
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` (the same
 groups and order in float64 sums) against the reference, the lookup program in the tests' PTX
 interpreter, and CUDA lowering.
@@ -73,7 +83,8 @@ from jax import lax
 from pallas_kernels.dequantize_4bit import supports_4bit
 from pallas_kernels.mgpu_decode import mosaic_modules
 from pallas_kernels.mgpu_mma_layout import (
-    GROUP, TABLE_BYTES, TILE_KS, MmaConfig, acc_count, mma_columns, n_tiles_of, smem_bytes)
+    GROUP, TABLE_BYTES, TILE_KS, MmaConfig, acc_count, mma_columns, n_tiles_of, smem_bytes,
+    split_steps, split_windows, uneven_splits_problem)
 from pallas_kernels.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
 from pallas_kernels.mgpu_pipeline import (
@@ -85,7 +96,8 @@ MAX_M = 16  # two n8 tiles of tokens
 def default_config(m: int, n: int, k: int, blocksize: int,
                    tile_k: int | None = None) -> MmaConfig:
     """K splits: the most that divide the K steps, keep whole scale blocks and the CTAs within
-    one wave of SMs (the GEMV's rule). The swizzle where tile_k allows it; x_swap where x has
+    one wave of SMs (the GEMV's rule), or, where that leaves a CTA more steps to run, splits
+    that do not divide them (`split_windows`). The swizzle where tile_k allows it; x_swap where x has
     two tokens (with one, all lanes read the same row: no conflict to avoid).
 
     tile_k (None: chosen): 512 where 128-row tiles fill at least as many SMs in one wave
@@ -94,7 +106,9 @@ def default_config(m: int, n: int, k: int, blocksize: int,
     partials, a kernel of its own (1.3-1.8 us a call). H100 s21-10, same run, ratio to bf16:
     4096x14336 (112 CTAs either way) M = 1 0.376 against 0.394, M = 16 0.369 against 0.408;
     where 128-row tiles would need K splits (4096x4096, 14336x4096) 256 stays (0.547 against
-    0.530 and 0.403 against 0.374 at M = 1 with 512)."""
+    0.530 and 0.403 against 0.374 at M = 1 with 512). 256-row tiles' splits may be uneven:
+    4096x11008 (K x N) takes 3 of them, 129 CTAs, over 86 of 128 rows (H200 s22-1: 0.462
+    against 0.487 at M = 1, 0.539 against 0.593 at M = 16)."""
     if tile_k is None:
         base = default_config(m, n, k, blocksize, 256)
         wide = default_config(m, n, k, blocksize, 512)
@@ -110,6 +124,14 @@ def default_config(m: int, n: int, k: int, blocksize: int,
     for d in range(1, k_iters + 1):
         if k_iters % d == 0 and n_tiles * d <= SMS and (k // d) % blocksize == 0:
             splits = d
+    # splits that do not divide the steps, where they shorten a CTA's run of steps: the
+    # fewest splits of the shortest run (K = 11008, 43 steps: 8 of 6 steps, not 1 of 43)
+    for d in range(splits + 1, min(k_iters, SMS // max(n_tiles, 1)) + 1):
+        run = split_steps(k_iters, d)
+        uneven = dataclasses.replace(cfg, k_splits=-(-k_iters // run))
+        if (run < split_steps(k_iters, splits)
+                and shape_problem(m, n, k, blocksize, uneven) is None):
+            splits = uneven.k_splits
     return dataclasses.replace(cfg, k_splits=splits)
 
 
@@ -124,14 +146,20 @@ def shape_problem(m: int, n: int, k: int, blocksize: int, cfg: MmaConfig) -> str
         return f"compute_wgs = 4 needs tile_k = 256, got {cfg.tile_k}"
     if n % cfg.cta_rows:
         return f"N ({n}) must be a multiple of {cfg.cta_rows}"
-    if cfg.k_splits < 1 or k % (cfg.tile_k * cfg.k_splits):
-        return f"K ({k}) must be a multiple of {cfg.tile_k} x k_splits ({cfg.k_splits})"
+    if k % cfg.tile_k:
+        return f"K ({k}) must be a multiple of tile_k ({cfg.tile_k})"
+    problem = uneven_splits_problem(k // cfg.tile_k, cfg.k_splits)
+    if problem:
+        return problem
     if blocksize % GROUP:
         return f"blocksize ({blocksize}) must be a multiple of {GROUP} (one scale a group)"
     if cfg.wg_cols % blocksize and blocksize % cfg.wg_cols:
         return f"blocksize ({blocksize}) and {cfg.wg_cols} columns must divide one another"
-    if (k // cfg.k_splits) % blocksize:
-        return f"each K split ({k // cfg.k_splits} columns) must hold whole scale blocks"
+    windows = split_windows(k // cfg.tile_k, cfg.k_splits)
+    window = split_steps(k // cfg.tile_k, cfg.k_splits) * cfg.tile_k
+    if window % blocksize or any(first * cfg.tile_k % blocksize for first, _, _ in windows):
+        return (f"each K split's window ({window} columns from column "
+                f"{windows[-1][0] * cfg.tile_k} for the last) must hold whole scale blocks")
     if not 2 <= cfg.stages <= 4:
         return f"stages must be 2..4, got {cfg.stages}"
     if cfg.swizzle and cfg.tile_k not in (256, 512):
@@ -181,7 +209,8 @@ def emulate(x, packed, absmax, code, *, blocksize: int, cfg: MmaConfig = MmaConf
     """The kernel's sums in numpy: per row, K split and 64-column group, the group's products
     (codes rounded to x's dtype) summed in float64 over the MMA's permuted column order (the
     tensor core's fp32 sum order is its own), rounded to f32, times absmax and added to the
-    row's f32 total by one fma; splits summed last. x (M, K) in its 16-bit dtype."""
+    row's f32 total by one fma; splits (their own steps, `split_windows`) summed last. x (M, K)
+    in its 16-bit dtype."""
     xf = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
     code_x = np.asarray(jnp.asarray(code, jnp.float32).astype(jnp.asarray(x).dtype)
                         .astype(jnp.float32), np.float64)
@@ -191,11 +220,10 @@ def emulate(x, packed, absmax, code, *, blocksize: int, cfg: MmaConfig = MmaConf
     n = p.shape[0]
     w = np.stack([code_x[p >> 4], code_x[p & 15]], axis=-1).reshape(n, k)
     order = np.asarray([c for s in range(4) for t in range(4) for c in mma_columns(t, s)])
-    k_per = k // cfg.k_splits
     parts = []
-    for split in range(cfg.k_splits):
+    for _, own, end in split_windows(k // cfg.tile_k, cfg.k_splits):
         total = np.zeros((m, n), np.float32)
-        for g0 in range(split * k_per, (split + 1) * k_per, GROUP):
+        for g0 in range(own * cfg.tile_k, end * cfg.tile_k, GROUP):
             cols = g0 + order
             group_sum = (xf[:, cols] @ w[:, cols].T).astype(np.float32)
             scale = absmax[:, g0 // blocksize][None]
@@ -449,7 +477,10 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
     n = packed.shape[0]
     splits, tile_k, cta_rows, wg_rows, wg_cols = (
         cfg.k_splits, cfg.tile_k, cfg.cta_rows, cfg.wg_rows, cfg.wg_cols)
-    k_per = k // splits
+    k_iters = k // tile_k
+    steps = split_steps(k_iters, splits)  # a K split's window of steps
+    uneven = steps * splits != k_iters  # the last window moved back, its first steps skipped
+    k_per = steps * tile_k
     n_tiles = n // cta_rows
     split_cols = k_per // blocksize
     step_cols = max(1, wg_cols // blocksize)  # scale columns of a warpgroup's part of a step
@@ -469,7 +500,7 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
         w_view = packed.reshape(n, k // 256, 128)
         w_specs = [plgpu.BlockSpec((cta_rows, chunks, 128), lambda kk: (0, kk, 0))]
     pipeline, allocate = warp_specialized(
-        plgpu, pl, grid=(k_per // tile_k,), num_compute_wgs=cfg.compute_wgs, depth=cfg.stages,
+        plgpu, pl, grid=(steps,), num_compute_wgs=cfg.compute_wgs, depth=cfg.stages,
         in_specs=[*w_specs, plgpu.BlockSpec((m, chunks, 256), lambda kk: (0, kk, 0))])
 
     def matmul_4bit_mgpu_mma_kernel(x_gmem, w_gmem, s_gmem, code_gmem, *rest, table_smem,
@@ -498,7 +529,19 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
                     row0, col0, part = ni * cta_rows + wg * wg_rows, 0, split
                 out = out_gmem.at[part] if cfg.partials > 1 else out_gmem
                 dst = out.at[:, pl.ds(row0, wg_rows)]
-                s_tile = s_gmem.at[pl.ds(row0, wg_rows), pl.ds(split * split_cols, split_cols)]
+                if uneven:  # `split_windows`: the window's first step, and the steps to skip
+                    first = jnp.minimum(split * steps, k_iters - steps)
+                    skipped = split * steps - first
+
+                def window_start(unit):  # the window's first K column // unit (it divides)
+                    if not uneven:
+                        return split * (k_per // unit)
+                    if tile_k % unit:
+                        return first * tile_k // unit
+                    return first * (tile_k // unit)
+
+                s_tile = s_gmem.at[pl.ds(row0, wg_rows),
+                                   pl.ds(window_start(blocksize), split_cols)]
 
                 def ctx(run):
                     f["build_table"](table_smem, code_gmem, *nest_copy)
@@ -517,13 +560,20 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
                         w_parts = w_smems if cfg.swizzle else [w_smems[0].at[:, half]]
                     else:
                         w_parts, x_part = [w_smems[0].at[pl.ds(wg * wg_rows, wg_rows)]], x_smem
-                    return f["step"](*w_parts, x_part, table_smem,
-                                     s_tile.at[:, pl.ds(col, step_cols)], *nest_refs, acc)
+
+                    def run_step():
+                        return f["step"](*w_parts, x_part, table_smem,
+                                         s_tile.at[:, pl.ds(col, step_cols)], *nest_refs, acc)
+
+                    if uneven:  # the moved-back window's steps the split before took
+                        return lax.cond(kk >= skipped, run_step, lambda: acc)
+                    return run_step()
 
                 w_cols = k_per // 2 if cfg.swizzle else chunk_k  # a K split's packed bytes / chunks
-                w_tile = w_gmem.at[pl.ds(ni * cta_rows, cta_rows), pl.ds(split * w_cols, w_cols)]
+                w_tile = w_gmem.at[pl.ds(ni * cta_rows, cta_rows),
+                                   pl.ds(window_start(2 if cfg.swizzle else 256), w_cols)]
                 pipeline(body, ctx)(*(w_tile,) * len(w_specs),
-                                    x_gmem.at[:, pl.ds(split * chunk_k, chunk_k)],
+                                    x_gmem.at[:, pl.ds(window_start(256), chunk_k)],
                                     allocations=allocs)
 
     out_shape = (cfg.partials, m, n) if cfg.partials > 1 else (m, n)

@@ -22,11 +22,12 @@ def sm_count() -> int:
 
 def grid_fills(n_tiles: int, k_iters: int, k_splits: int) -> bool:
     """Whether a (row tiles x K splits) grid of one CTA an SM uses the GPU: a quarter of the SMs
-    or more get a CTA, or the product has fewer steps than SMs anyway. The pair-table kernels
-    split K only into equal runs of whole steps, so a prime step count leaves one CTA a row
-    tile: K = 11008 (43 steps of 256, Llama-2-7B's down projection) gave 16 CTAs, and the MMA
-    kernel ran 1.35x bf16 at M = 1 against the Triton GEMV's 0.59 and 1.65x at M = 16 against
-    the wgmma kernel's 1.01 (H100 s21-13). Where this is False `auto` takes those kernels."""
+    or more get a CTA, or the product has fewer steps than SMs anyway. The GEMV splits K only
+    into equal runs of whole steps, so a prime step count leaves one CTA a row tile: K = 11008
+    (43 steps of 256, Llama-2-7B's down projection) gave 16 CTAs, and the MMA kernel (before
+    its uneven splits, session 22) ran 1.35x bf16 at M = 1 against the Triton GEMV's 0.59 and
+    1.65x at M = 16 against the wgmma kernel's 1.01 (H100 s21-13). Where this is False `auto`
+    takes other kernels."""
     return 4 * n_tiles * k_splits >= SMS or n_tiles * k_iters < SMS
 
 

@@ -131,17 +131,18 @@ def test_x_loads(m, x_swap, tile_k):
         assert max(counts) > 4, counts
 
 
-@settings(max_examples=6, deadline=None)
-@given(m=st.integers(1, 16), n256=st.integers(1, 2), k256=st.integers(1, 4),
-       log_bs=st.integers(6, 8), splits=st.sampled_from([1, 2]), seed=st.integers(0, 99),
+@settings(max_examples=8, deadline=None)
+@given(m=st.integers(1, 16), n256=st.integers(1, 2), k256=st.integers(1, 7),
+       log_bs=st.integers(6, 8), splits=st.sampled_from([1, 2, 3]), seed=st.integers(0, 99),
        f16=st.booleans())
 def test_emulation_matches_the_references(m, n256, k256, log_bs, splits, seed, f16):
     """`emulate` (float64 group sums) equals the jnp reference up to f32 rounding, and both are
-    the exact-code product up to the rounding of the codes to x's dtype."""
+    the exact-code product up to the rounding of the codes to x's dtype; with K splits that do
+    or do not divide the steps."""
     n, k, bs = 256 * n256, 256 * k256, 2 ** log_bs
     if k % bs:
         return
-    if k % (splits * 256) or (k // splits) % bs:
+    if ml.uneven_splits_problem(k256, splits):
         splits = 1
     dtype = jnp.float16 if f16 else jnp.bfloat16
     q, x, packed, absmax = _problem(m, n, k, bs, seed=seed, x_dtype=dtype)
@@ -172,17 +173,51 @@ def test_supports_follows_its_rule(m, n32, k32, log_bs):
                                         or tiles * steps < mm.SMS)
 
 
-def test_pair_table_kernels_decline_a_grid_that_leaves_most_sms_idle():
-    """Llama-2-7B's down projection (K = 11008: 43 steps, prime) would run as 16 CTAs with no
-    K split; both pair-table kernels decline it (`auto` then takes the Triton GEMV / the wgmma
-    kernel) and keep its transpose (86 CTAs) and the protocol shapes."""
+def test_prime_step_counts_get_uneven_splits_and_the_gemv_declines_them():
+    """Llama-2-7B's down projection (K = 11008: 43 steps, prime) would run as 16 CTAs with one
+    K split. The MMA kernel splits it unevenly (8 windows of 6 steps, 128 CTAs; the last window
+    moved back over 5 steps the split before took); the GEMV, whose splits must divide the
+    steps, declines it (`grid_fills`; `auto` then takes the Triton GEMV at M <= 2 where the
+    MMA kernel cannot run). Both keep the transpose and the protocol shapes."""
     from pallas_kernels import matmul_4bit_mgpu_gemv as mg
+    for m in (1, 2, 16):
+        cfg = mm.default_config(m, 4096, 11008, 64)
+        assert (cfg.tile_k, cfg.k_splits) == (256, 8)
+        assert ml.split_windows(43, 8)[-2:] == [(36, 36, 42), (37, 42, 43)]
+        assert mm.supports(m, 4096, 11008, 64) and mm.supports(m, 11008, 4096, 64)
     for m in (1, 2):
-        assert not mm.supports(m, 4096, 11008, 64) and not mg.supports(m, 4096, 11008, 64)
-        assert mm.supports(m, 11008, 4096, 64) and mg.supports(m, 11008, 4096, 64)
-    assert not mm.supports(16, 4096, 11008, 64) and mm.supports(16, 11008, 4096, 64)
+        assert not mg.supports(m, 4096, 11008, 64) and mg.supports(m, 11008, 4096, 64)
+    qwen = mm.default_config(1, 3584, 18944, 64)  # Qwen2.5-7B's down projection: 74 steps
+    assert (qwen.k_splits, (3584 // qwen.cta_rows) * qwen.k_splits) == (9, 126)
     for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (256, 512)):
         assert mm.supports(1, n, k, 64) and mg.supports(1, n, k, 64)
+
+
+@given(k_iters=st.integers(1, 200), k_splits=st.integers(1, 200))
+def test_split_windows_cover_each_step_once(k_iters, k_splits):
+    """Every step is owned by exactly one split, each split owns at least one, and each window
+    is `split_steps` long, inside K, and holds its split's own steps; only the last window
+    can start before its own steps."""
+    problem = ml.uneven_splits_problem(k_iters, k_splits)
+    p = ml.split_steps(k_iters, k_splits)
+    assert (problem is None) == (k_splits <= k_iters and -(-k_iters // p) == k_splits)
+    if problem:
+        return
+    windows = ml.split_windows(k_iters, k_splits)
+    owned = [s for _, own, end in windows for s in range(own, end)]
+    assert owned == list(range(k_iters))
+    for i, (first, own, end) in enumerate(windows):
+        assert 0 <= first <= own < end <= first + p <= k_iters
+        assert first == own or i == k_splits - 1
+
+
+def test_uneven_split_problems_are_named():
+    assert "without a step of its own" in mm.shape_problem(
+        1, 256, 1536, 64, mm.MmaConfig(k_splits=4))  # 6 steps: windows of 2 cover them in 3
+    assert "must be 1..6" in mm.shape_problem(1, 256, 1536, 64, mm.MmaConfig(k_splits=7))
+    assert "whole scale blocks" in mm.shape_problem(  # 5 steps of 256, blocksize 512
+        1, 256, 1280, 512, mm.MmaConfig(k_splits=2))
+    assert mm.shape_problem(1, 256, 1280, 256, mm.MmaConfig(k_splits=2)) is None
 
 
 @given(m=st.integers(1, 16), n256=st.integers(1, 200), k256=st.integers(1, 80),
@@ -226,12 +261,13 @@ def test_bad_inputs_get_clear_errors():
     assert mm.MmaConfig(tile_k=512, k_splits=3).partials == 6
 
 
-@pytest.mark.parametrize("k,n,tile_k,splits", [(4096, 14336, 512, 1), (4096, 11008, 512, 1),
+@pytest.mark.parametrize("k,n,tile_k,splits", [(4096, 14336, 512, 1), (4096, 11008, 256, 3),
                                                (4096, 4096, 256, 8), (14336, 4096, 256, 8),
                                                (8192, 28672, 256, 1), (4096, 1024, 256, 16)])
 def test_default_takes_512_column_steps_where_they_need_no_k_split(k, n, tile_k, splits):
     """128-row tiles (512-column steps, the warpgroups' partials summed in the CTA) where they
-    fill as many SMs in one wave without a K split as 256-row tiles with theirs; else 256."""
+    fill as many SMs in one wave without a K split as 256-row tiles with theirs; else 256
+    (4096x11008: 43 tiles of 256 rows in 3 uneven splits, 129 CTAs, against 86 of 128 rows)."""
     for m in (1, 16):
         cfg = mm.default_config(m, n, k, 64)
         assert (cfg.tile_k, cfg.k_splits) == (tile_k, splits)
@@ -253,6 +289,12 @@ def test_default_takes_512_column_steps_where_they_need_no_k_split(k, n, tile_k,
     (16, 256, 2048, 128, mm.MmaConfig(tile_k=512, wg_reduce=True, k_splits=2), jnp.float16,
      False),
     (5, 512, 2048, 64, mm.MmaConfig(tile_k=512), jnp.bfloat16, True),
+    # K splits that do not divide the steps (the last window moved back, steps skipped)
+    (1, 256, 1280, 64, mm.MmaConfig(k_splits=2), jnp.bfloat16, True),
+    (16, 256, 256 * 43, 64, None, jnp.bfloat16, True),
+    (5, 256, 2560, 128, mm.MmaConfig(tile_k=512, wg_reduce=True, k_splits=2), jnp.float16,
+     False),
+    (3, 256, 1792, 64, mm.MmaConfig(k_splits=3, swizzle=False), jnp.bfloat16, True),
 ])
 def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     assert "mosaic_gpu" in lower_for_cuda(mm.matmul_4bit_mgpu_mma, m, n, k, bs, dtype, nested,
@@ -302,6 +344,16 @@ gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosa
     (16, 128 * 150, 1024, 64, "nf4", jnp.bfloat16, mm.MmaConfig(tile_k=512, wg_reduce=True)),
     (9, 192, 2048, 64, "fp4", jnp.float16,
      mm.MmaConfig(tile_k=1024, swizzle=False, wg_reduce=True, k_splits=2)),
+    # K splits that do not divide the steps: the last window moved back, its first steps
+    # skipped (5 steps in 2 windows of 3; 43 in 8 of 6; 7 in 3 of 3, two skipped; 11 in 4)
+    (1, 256, 1280, 64, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2)),
+    (9, 256, 256 * 43, 64, "nf4", jnp.float16, mm.MmaConfig(k_splits=8)),
+    (16, 512, 256 * 43, 64, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=8)),
+    (7, 256, 2560, 128, "fp4", jnp.bfloat16,
+     mm.MmaConfig(tile_k=512, wg_reduce=True, k_splits=2)),
+    (4, 256, 1792, 64, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=3, swizzle=False)),
+    (12, 512, 2816, 256, "nf4", jnp.float16, mm.MmaConfig(k_splits=4, stages=3)),
+    (2, 256, 1792, 64, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=4, compute_wgs=4)),
 ])
 def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     q, x, packed, absmax = _problem(m, n, k, bs, quant_type, seed=m + n, x_dtype=dtype)
@@ -317,6 +369,23 @@ def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     assert y16.dtype == dtype and y16.shape == (m, n)
     np.testing.assert_allclose(np.asarray(y16.astype(jnp.float32)), emu, rtol=1e-2,
                                atol=1e-2 * float(np.abs(emu).max()))
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_auto_runs_it_on_llama2_down_projection(m):
+    """K = 11008 (43 steps, prime): `auto` plans this kernel with 8 uneven K splits, and the
+    product matches the XLA path's."""
+    from jqlora import ops, quant
+    from jqlora.ops import backends
+    w = jax.random.normal(jax.random.key(3), (4096, 11008), jnp.float32) * 0.02
+    q = quant.quantize_4bit(w, "nf4", 64, True)
+    assert backends.choose_plan(q, m, "auto", dtype="bfloat16").fwd == "mgpu_mma_pair_table"
+    x = jax.random.normal(jax.random.key(m), (m, 11008), jnp.bfloat16)
+    y = ops.qmatmul(x, q).astype(jnp.float32)
+    ref = ops.qmatmul(x, q, backend="xla").astype(jnp.float32)
+    err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+    assert err < 1e-2, err
 
 
 @gpu
