@@ -50,6 +50,10 @@ is the busiest: 46% of elapsed cycles (66% of the cycles the SMs are active), 51
 Both kernels keep the 16-entry code table in registers, loaded once per tile
 (`mgpu_decode.code_loader`): -0.5 to -2.4 us a call against a per-step block (s16).
 
+K splits need not divide the steps (session 22, as in the MMA kernel): each split runs a window
+of ceil(steps / splits) steps, the last moved back to end at K, skipping (`pl.when`) the steps
+the split before it took (`mgpu_pipeline.split_windows`).
+
 Hopper only (sm_90), no interpret mode. CPU checks: the two PTX programs run in a PTX
 interpreter in the tests (`tests/test_kernels_4bit_mgpu.py`), `mgpu_decode.emulate_lookup_words`
 / `emulate_table_words` are their jnp twins, and the kernel lowers for CUDA on CPU (jax 0.10 and
@@ -71,7 +75,7 @@ from pallas_kernels.mgpu_decode import (
     code_loader, codes_layout, decode_fn, mosaic_modules, scale_denester)
 from pallas_kernels.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, load_tile, sm_count,
-    warp_specialized)
+    split_steps, split_windows, uneven_splits_problem, warp_specialized)
 from pallas_kernels.registry import Variant
 
 
@@ -140,7 +144,7 @@ def denests_in_kernel(n: int, k: int, blocksize: int, cfg: Config) -> bool:
     compute warpgroup, once per tile, into shared memory) rather than by XLA first. Needs one
     compute warpgroup per row group, a whole number of scales per thread, and room in shared
     memory for the two warpgroups' (split columns, 64) fp32 scales at this config."""
-    split_cols = k // blocksize // cfg.k_splits
+    split_cols = _window_cols(k, cfg) // blocksize
     per_thread = cfg.wg_rows * split_cols // 128
     return (cfg.k_wgs == 1 and per_thread * 128 == cfg.wg_rows * split_cols
             and per_thread <= _DENEST_MAX_PER_THREAD
@@ -185,8 +189,11 @@ def _shape_problem(m, n, k, blocksize, cfg: Config) -> str | None:
         return f"blocksize {blocksize} < 64 is not supported (one scale per row per 64 columns)"
     if n % cta_n:
         return f"N ({n}) must be a multiple of {cta_n}"
-    if cfg.k_splits < 1 or k % (cfg.tile_k * cfg.k_splits):
-        return f"K ({k}) must be a multiple of tile_k * k_splits ({cfg.tile_k * cfg.k_splits})"
+    if k % cfg.tile_k:
+        return f"K ({k}) must be a multiple of tile_k ({cfg.tile_k})"
+    problem = uneven_splits_problem(k // cfg.tile_k, cfg.k_splits)
+    if problem:
+        return problem
     if cfg.tile_k % blocksize and blocksize % cfg.tile_k:
         return f"tile_k ({cfg.tile_k}) and blocksize ({blocksize}) must divide one another"
     if cfg.k_wgs not in (1, 2):
@@ -196,9 +203,17 @@ def _shape_problem(m, n, k, blocksize, cfg: Config) -> str | None:
     if cfg.k_wgs > 1 and (cfg.wg_rows != 64 or cfg.tile_m > 64):
         return ("k_wgs = 2 takes wg_rows = 64 and tile_m <= 64 (four compute warpgroups "
                 f"have {FOUR_WG_REGISTERS} registers each)")
-    if (k // cfg.k_splits) % blocksize:
-        return f"each K split ({k // cfg.k_splits} columns) must hold whole scale blocks"
+    window = _window_cols(k, cfg)
+    last_first = split_windows(k // cfg.tile_k, cfg.k_splits)[-1][0] * cfg.tile_k
+    if window % blocksize or last_first % blocksize:
+        return (f"each K split's window ({window} columns from column {last_first} for the "
+                f"last) must hold whole scale blocks")
     return None
+
+
+def _window_cols(k: int, cfg: Config) -> int:
+    """K columns of each split's window of steps (`split_windows`)."""
+    return split_steps(k // cfg.tile_k, cfg.k_splits) * cfg.tile_k
 
 
 
@@ -207,7 +222,9 @@ def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
     `..._s14_mgpu_*`): the token tile is the smallest of 16/32/64/128 holding M, or 256 once
     that still leaves about 100 CTAs (above M = 128; at 4096x14336, M = 256: 1.17x bf16 against
     1.66x with 128 tokens); K splits fill the SMs up to one wave (4096x4096, M = 128: 4 splits
-    1.00x, 1 split 1.94x); 128-column K steps where the tile is 128 tokens or fewer."""
+    1.00x, 1 split 1.94x), whether or not they divide the steps (`split_windows`: K = 11008
+    takes 4, where dividing splits left 2); 128-column K steps where the tile is 128 tokens or
+    fewer."""
     if m <= 64:
         tile_m = max(16, 1 << max(0, (m - 1).bit_length()))
     elif m <= 128 or -(-m // 256) * (n // 128) < 100:
@@ -239,7 +256,7 @@ def smem_bytes(cfg: Config, blocksize: int, *, denest_k: int = 0) -> int:
     cta_n = 2 * cfg.wg_rows
     scale_rows = max(1, cfg.tile_k // blocksize)
     tiles = (cta_n * cfg.tile_k // 2, cfg.tile_m * cfg.tile_k * 2)
-    scales = (up(cta_n * (denest_k // blocksize // cfg.k_splits) * 4) if denest_k
+    scales = (up(cta_n * (_window_cols(denest_k, cfg) // blocksize) * 4) if denest_k
               else up(cfg.max_concurrent_steps * scale_rows * cta_n * 4))
     out_bytes = 4 if _partials(cfg) > 1 else 2
     return (sum(up(cfg.max_concurrent_steps * t) for t in tiles) + scales
@@ -280,8 +297,9 @@ def _call(x, w4, scales, code, *, blocksize: int, cfg: Config, nest=None):
     cta_n = 2 * rows
     wg_k = tile_k // cfg.k_wgs  # columns of a step one compute warpgroup decodes
     kb = wg_k // 64  # 64-column groups per warpgroup and step
-    k_per = k // cfg.k_splits
-    k_iters = k_per // tile_k
+    k_iters = split_steps(k // tile_k, cfg.k_splits)  # a K split's window of steps
+    uneven = k_iters * cfg.k_splits * tile_k != k  # the last window moved back over steps
+    k_per = k_iters * tile_k
     m_iters, n_iters = m // tile_m, n // cta_n
     # scale rows per step: one per 64-column group when blocksize = 64, else the one block
     scale_rows = max(1, tile_k // blocksize)
@@ -341,8 +359,14 @@ def _call(x, w4, scales, code, *, blocksize: int, cfg: Config, nest=None):
                 mi, ni = mn % m_iters, mn // m_iters
                 m_sl = pl.ds(mi * tile_m, tile_m)
                 n_sl = pl.ds(ni * cta_n, cta_n)
-                k_sl = pl.ds(split * k_per, k_per)
-                s_sl = pl.ds(split * (k_per // blocksize), max(1, k_per // blocksize))
+                if uneven:  # `split_windows`: the window's first column, the steps to skip
+                    first = jnp.minimum(split * k_iters, k // tile_k - k_iters)
+                    skipped = split * k_iters - first
+                    k_sl = pl.ds(first * tile_k, k_per)
+                    s_sl = pl.ds(first * tile_k // blocksize, max(1, k_per // blocksize))
+                else:
+                    k_sl = pl.ds(split * k_per, k_per)
+                    s_sl = pl.ds(split * (k_per // blocksize), max(1, k_per // blocksize))
                 if cfg.k_wgs > 1:  # warpgroups 0, 1 and 2, 3 share rows, not columns
                     wg_rows = pl.ds(lax.rem(wg, 2) * rows, rows)
                     part = split * cfg.k_wgs + wg // 2  # this warpgroup's partial of y.T
@@ -379,8 +403,8 @@ def _call(x, w4, scales, code, *, blocksize: int, cfg: Config, nest=None):
 
                 def body(indices, w_smem, x_smem, *rest):
                     *s_smem, (acc, codes) = rest
+                    (kk,) = indices
                     if nest:  # the step's columns of the de-nested scales (k_wgs = 1)
-                        (kk,) = indices
                         s_wg = scale_smem.at[wg, pl.ds(step_col(kk), scale_rows)]
                     else:
                         s_wg = s_smem[0]
@@ -392,13 +416,19 @@ def _call(x, w4, scales, code, *, blocksize: int, cfg: Config, nest=None):
                             s_wg = s_wg.at[pl.ds(half * (wg_k // blocksize), wg_k // blocksize)]
                     if not nest:
                         s_wg = s_wg.at[:, wg_rows]
-                    w = load_tile(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
-                    a = decode(w, s_wg, codes)
-                    plgpu.wgmma(acc, a, x_smem.T)
-                    # wait(1) with slots released a step late (decode of step k + 1 under
-                    # this warpgroup's own MMA k) gave NaN on the H100 (s14-6): the A
-                    # registers are reused while the MMA still reads them
-                    plgpu.wgmma_wait(0)
+                    def step():
+                        w = load_tile(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
+                        a = decode(w, s_wg, codes)
+                        plgpu.wgmma(acc, a, x_smem.T)
+                        # wait(1) with slots released a step late (decode of step k + 1 under
+                        # this warpgroup's own MMA k) gave NaN on the H100 (s14-6): the A
+                        # registers are reused while the MMA still reads them
+                        plgpu.wgmma_wait(0)
+
+                    if uneven:  # the moved-back window's steps the split before took
+                        pl.when(kk >= skipped)(step)
+                    else:
+                        step()
                     return acc, codes
 
                 pipeline(body, ctx)(

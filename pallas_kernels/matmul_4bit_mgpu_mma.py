@@ -60,7 +60,7 @@ K splits that do not divide the steps (session 22): a prime step count left one 
 for Llama-2-7B's down projection (K = 11008, 43 steps), so `auto` ran slower kernels there.
 Each split now runs a window of ceil(steps / splits) steps; the last window is moved back to end
 at K and skips (`lax.cond` around the step) the steps the split before it took, so every step
-is summed once, in the same per-split order (`mgpu_mma_layout.split_windows`). The skipped
+is summed once, in the same per-split order (`mgpu_pipeline.split_windows`). The skipped
 steps are still loaded (at most splits - 1 of them). H200 s22-1, ratio to bf16, same run: K =
 11008, N = 4096 M = 1 0.458 (8 splits, 128 CTAs) against the Triton GEMV's 0.818, M = 16 0.518
 against the wgmma kernel's 1.396; Qwen2.5-7B's down projection (K = 18944, 74 steps, N = 3584)
@@ -83,13 +83,12 @@ from jax import lax
 from pallas_kernels.dequantize_4bit import supports_4bit
 from pallas_kernels.mgpu_decode import mosaic_modules
 from pallas_kernels.mgpu_mma_layout import (
-    GROUP, TABLE_BYTES, TILE_KS, MmaConfig, acc_count, mma_columns, n_tiles_of, smem_bytes,
-    split_steps, split_windows, uneven_splits_problem)
+    GROUP, TABLE_BYTES, TILE_KS, MmaConfig, acc_count, mma_columns, n_tiles_of, smem_bytes)
 from pallas_kernels.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
 from pallas_kernels.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, grid_fills, sm_count,
-    warp_specialized)
+    split_steps, split_windows, uneven_splits_problem, warp_specialized)
 from pallas_kernels.registry import Variant
 
 MAX_M = 16  # two n8 tiles of tokens
@@ -97,8 +96,8 @@ def default_config(m: int, n: int, k: int, blocksize: int,
                    tile_k: int | None = None) -> MmaConfig:
     """K splits: the most that divide the K steps, keep whole scale blocks and the CTAs within
     one wave of SMs (the GEMV's rule), or, where that leaves a CTA more steps to run, splits
-    that do not divide them (`split_windows`). The swizzle where tile_k allows it; x_swap where x has
-    two tokens (with one, all lanes read the same row: no conflict to avoid).
+    that do not divide them (`split_windows`). The swizzle where tile_k allows it; x_swap where
+    x has two tokens (with one, all lanes read the same row: no conflict to avoid).
 
     tile_k (None: chosen): 512 where 128-row tiles fill at least as many SMs in one wave
     without a K split as 256-row tiles do with theirs. Its two warpgroups' partials are then

@@ -27,7 +27,7 @@ class MmaConfig:
     # K ranges computed by separate CTAs; fp32 partials summed by XLA. Splits need not divide
     # the steps: each takes `split_steps` of them, and where they do not divide, the last
     # split's window is moved back to end at K and skips the steps the one before it took
-    # (`split_windows`), so a prime step count (K = 11008: 43 steps) still fills the GPU
+    # (`mgpu_pipeline.split_windows`): a prime step count (K = 11008, 43 steps) fills the GPU
     k_splits: int = 1
     stages: int = 2  # pipeline depth (32 KiB of weight a stage)
     tile_k: int = 256
@@ -87,31 +87,6 @@ class MmaConfig:
     @property
     def w_row(self) -> int:  # bytes between weight rows in a warpgroup's part of the tile
         return 128 if self.swizzle else self.tile_k // 2
-
-
-def split_steps(k_iters: int, k_splits: int) -> int:
-    """Pipeline steps each K split's CTA runs: ceil(k_iters / k_splits)."""
-    return -(-k_iters // k_splits)
-
-
-def split_windows(k_iters: int, k_splits: int) -> list[tuple[int, int, int]]:
-    """Per K split, (first step of its window, first and end step of its own steps): windows
-    of `split_steps` steps; split s owns steps s p .. min((s + 1) p, k_iters). Only the last
-    window can start before its own steps (moved back to end at K); the kernel skips those."""
-    p = split_steps(k_iters, k_splits)
-    return [(min(s * p, k_iters - p), s * p, min((s + 1) * p, k_iters))
-            for s in range(k_splits)]
-
-
-def uneven_splits_problem(k_iters: int, k_splits: int) -> str | None:
-    """Why `k_splits` cannot split `k_iters` steps into `split_windows`, or None: every split
-    must own a step (more splits than that give the same windows with idle CTAs)."""
-    if not 1 <= k_splits <= k_iters:
-        return f"k_splits ({k_splits}) must be 1..{k_iters} (the K steps)"
-    if (k_splits - 1) * split_steps(k_iters, k_splits) >= k_iters:
-        return (f"{k_splits} K splits of {split_steps(k_iters, k_splits)} steps leave the last "
-                f"without a step of its own ({k_iters} steps)")
-    return None
 
 
 def n_tiles_of(m: int) -> int:

@@ -1,6 +1,7 @@
-"""What both Hopper Mosaic GPU kernels (`matmul_4bit_mgpu`, `matmul_4bit_mgpu_t`) build their
-pipelines from: the warp-specialized TMA pipeline, a tile load that works under jax 0.10 and
-0.11, the SM count, and the register hold that four compute warpgroups need.
+"""What the Hopper Mosaic GPU kernels build their pipelines from: the warp-specialized TMA
+pipeline, a tile load that works under jax 0.10 and 0.11, the SM count, grids that fill it
+(`grid_fills`, K splits that need not divide the steps: `split_windows`), and the register hold
+that four compute warpgroups need.
 """
 from __future__ import annotations
 
@@ -29,6 +30,34 @@ def grid_fills(n_tiles: int, k_iters: int, k_splits: int) -> bool:
     1.65x at M = 16 against the wgmma kernel's 1.01 (H100 s21-13). Where this is False `auto`
     takes other kernels."""
     return 4 * n_tiles * k_splits >= SMS or n_tiles * k_iters < SMS
+
+
+# K splits that need not divide the steps: each split's CTA runs a window of the same number
+# of steps, the last window moved back to end at K; it skips (a branch around the step) the
+# steps the split before it owns. Summed once each, in per-split order.
+def split_steps(k_iters: int, k_splits: int) -> int:
+    """Pipeline steps each K split's CTA runs: ceil(k_iters / k_splits)."""
+    return -(-k_iters // k_splits)
+
+
+def split_windows(k_iters: int, k_splits: int) -> list[tuple[int, int, int]]:
+    """Per K split, (first step of its window, first and end step of its own steps): windows
+    of `split_steps` steps; split s owns steps s p .. min((s + 1) p, k_iters). Only the last
+    window can start before its own steps (moved back to end at K); the kernel skips those."""
+    p = split_steps(k_iters, k_splits)
+    return [(min(s * p, k_iters - p), s * p, min((s + 1) * p, k_iters))
+            for s in range(k_splits)]
+
+
+def uneven_splits_problem(k_iters: int, k_splits: int) -> str | None:
+    """Why `k_splits` cannot split `k_iters` steps into `split_windows`, or None: every split
+    must own a step (more splits than that give the same windows with idle CTAs)."""
+    if not 1 <= k_splits <= k_iters:
+        return f"k_splits ({k_splits}) must be 1..{k_iters} (the K steps)"
+    if (k_splits - 1) * split_steps(k_iters, k_splits) >= k_iters:
+        return (f"{k_splits} K splits of {split_steps(k_iters, k_splits)} steps leave the last "
+                f"without a step of its own ({k_iters} steps)")
+    return None
 
 
 # Registers a thread of each of four compute warpgroups: what 5 warpgroups (640 threads) get at

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from jqlora import ops, quant
 from jqlora.quant import tables
+from pallas_kernels.mgpu_pipeline import split_windows
 from pallas_kernels import matmul_4bit_mgpu as mm
 from pallas_kernels import mgpu_decode as md
 from pallas_kernels import matmul_4bit_mgpu_t as mt
@@ -250,6 +251,14 @@ def test_default_config_follows_the_measured_choices():
                                                max_concurrent_steps=3)  # fp32 epilogue slots
     assert c(256, 14336, 4096, 64) == mm.Config(tile_m=256, tile_k=64, k_splits=1)
     assert c(1024, 4096, 4096, 64) == mm.Config(tile_m=256, tile_k=64, k_splits=1)
+    # K = 11008 (86 steps of 128): 4 splits need not divide them (22-step windows, 128 CTAs;
+    # before session 22 the splits had to divide, and 2 left 64 CTAs)
+    assert c(64, 4096, 11008, 64) == mm.Config(tile_m=64, tile_k=128, k_splits=4)
+    assert split_windows(86, 4)[-1] == (64, 66, 86)
+    assert "without a step of its own" in mm._shape_problem(16, 256, 768, 64,
+                                                            mm.Config(tile_m=16, k_splits=5))
+    assert "whole scale blocks" in mm._shape_problem(16, 256, 1280, 256,
+                                                     mm.Config(tile_m=16, k_splits=2))
 
 
 def test_unsupported_shapes_and_inputs_get_clear_errors():
@@ -292,6 +301,8 @@ def _lower(m, n, k, bs, cfg, dtype=jnp.bfloat16, nested=True):
     (64, 256, 512, 64, mm.Config(tile_m=64, wg_rows=128), jnp.bfloat16, True),
     (16, 256, 1024, 64, mm.Config(tile_m=16, tile_k=128, k_splits=2, k_wgs=2), jnp.bfloat16,
      True),
+    (32, 256, 1280, 64, mm.Config(tile_m=32, tile_k=128, k_splits=3), jnp.bfloat16, True),
+    (64, 256, 1792, 256, mm.Config(tile_m=64, tile_k=128, k_splits=4), jnp.float16, False),
     (40, 256, 1024, 128, mm.Config(tile_m=64, tile_k=256, k_wgs=2, max_concurrent_steps=3),
      jnp.float16, False),
 ])
@@ -389,12 +400,17 @@ def _quantized(n, k, bs, quant_type="nf4", nested=True, seed=0):
 
 @gpu
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("cfg", [None, mm.Config(tile_m=128, k_splits=2),
-                                 mm.Config(tile_m=256, tile_k=128, max_concurrent_steps=2)])
-def test_identity_product_gives_bitsandbytes_weight(dtype, cfg):
+@pytest.mark.parametrize("cfg,k", [(None, 256), (mm.Config(tile_m=128, k_splits=2), 256),
+                                   (mm.Config(tile_m=256, tile_k=128, max_concurrent_steps=2),
+                                    256),
+                                   (mm.Config(tile_m=128, tile_k=128, k_splits=3,
+                                               max_concurrent_steps=3), 1280)])
+def test_identity_product_gives_bitsandbytes_weight(dtype, cfg, k):
     """x = I: each output is one product 1 * w, exact in fp32, so y.T must equal bitsandbytes'
-    dequantized weight bit for bit (decode, scales, layouts and the transposed store)."""
-    n, k = 256, 256
+    dequantized weight bit for bit (decode, scales, layouts and the transposed store). K =
+    1280 in 3 splits: windows of 4 steps, the last moved back over 2 steps it must skip (a
+    step summed twice would double those columns)."""
+    n = 256
     q, args, nest = _quantized(n, k, 64)
     eye = jnp.eye(k, dtype=DTYPES[dtype])
     y = mm.matmul_4bit_mgpu(eye, *args, blocksize=64, nested=nest, config=cfg)
@@ -407,6 +423,7 @@ def test_identity_product_gives_bitsandbytes_weight(dtype, cfg):
     (256, 3072, mm.Config(tile_m=64, tile_k=128, k_splits=3)),
     (128, 14336, mm.Config(tile_m=64, tile_k=128, k_splits=14)),
     (256, 4096, mm.Config(tile_m=128, tile_k=64, k_splits=4)),
+    (256, 1792, mm.Config(tile_m=64, tile_k=128, k_splits=4)),  # uneven: 14 steps, windows of 4
 ])
 def test_identity_product_with_scales_denested_in_kernel(n, k, cfg):
     """As above on shapes where groups of 256 scales straddle rows (K / 64 = 48, 224), with K
@@ -426,11 +443,14 @@ def test_identity_product_with_scales_denested_in_kernel(n, k, cfg):
     (200, 256, 1024, 128, "fp4", False, "float16"),
     (300, 384, 2048, 256, "nf4", True, "bfloat16"),
     (1024, 256, 512, 64, "nf4", True, "float16"),
+    (64, 512, 1792, 256, "nf4", False, "bfloat16"),  # 4 uneven splits, blocks of 2 steps
+    (128, 4096, 11008, 64, "nf4", True, "bfloat16"),  # Llama-2-7B down: 4 uneven splits
 ])
 def test_matches_reference(m, n, k, bs, quant_type, nested, dtype):
     q, args, nest = _quantized(n, k, bs, quant_type, nested, seed=m)
     x = jax.random.normal(jax.random.key(m + 1), (m, k), jnp.float32).astype(DTYPES[dtype])
-    y = mm.matmul_4bit_mgpu(x, *args, blocksize=bs, nested=nest)
+    cfg = mm.Config(tile_m=64, tile_k=128, k_splits=4) if (n, k) == (512, 1792) else None
+    y = mm.matmul_4bit_mgpu(x, *args, blocksize=bs, nested=nest, config=cfg)
     assert y.shape == (m, n) and y.dtype == DTYPES[dtype]
     absmax = quant.absmax_f32(q).reshape(n, k // bs)
     ref = matmul_4bit_reference(x.astype(jnp.float32), args[0], absmax, args[2], blocksize=bs)

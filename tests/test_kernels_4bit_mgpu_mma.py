@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from jqlora.quant import tables
 from pallas_kernels import matmul_4bit_mgpu_mma as mm
 from pallas_kernels import mgpu_mma_layout as ml
+from pallas_kernels import mgpu_pipeline as mp
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from mosaic_lowering import lower_for_cuda
 from test_kernels_4bit_mgpu_gemv import _problem, _run
@@ -142,7 +143,7 @@ def test_emulation_matches_the_references(m, n256, k256, log_bs, splits, seed, f
     n, k, bs = 256 * n256, 256 * k256, 2 ** log_bs
     if k % bs:
         return
-    if ml.uneven_splits_problem(k256, splits):
+    if mp.uneven_splits_problem(k256, splits):
         splits = 1
     dtype = jnp.float16 if f16 else jnp.bfloat16
     q, x, packed, absmax = _problem(m, n, k, bs, seed=seed, x_dtype=dtype)
@@ -183,7 +184,7 @@ def test_prime_step_counts_get_uneven_splits_and_the_gemv_declines_them():
     for m in (1, 2, 16):
         cfg = mm.default_config(m, 4096, 11008, 64)
         assert (cfg.tile_k, cfg.k_splits) == (256, 8)
-        assert ml.split_windows(43, 8)[-2:] == [(36, 36, 42), (37, 42, 43)]
+        assert mp.split_windows(43, 8)[-2:] == [(36, 36, 42), (37, 42, 43)]
         assert mm.supports(m, 4096, 11008, 64) and mm.supports(m, 11008, 4096, 64)
     for m in (1, 2):
         assert not mg.supports(m, 4096, 11008, 64) and mg.supports(m, 11008, 4096, 64)
@@ -198,12 +199,12 @@ def test_split_windows_cover_each_step_once(k_iters, k_splits):
     """Every step is owned by exactly one split, each split owns at least one, and each window
     is `split_steps` long, inside K, and holds its split's own steps; only the last window
     can start before its own steps."""
-    problem = ml.uneven_splits_problem(k_iters, k_splits)
-    p = ml.split_steps(k_iters, k_splits)
+    problem = mp.uneven_splits_problem(k_iters, k_splits)
+    p = mp.split_steps(k_iters, k_splits)
     assert (problem is None) == (k_splits <= k_iters and -(-k_iters // p) == k_splits)
     if problem:
         return
-    windows = ml.split_windows(k_iters, k_splits)
+    windows = mp.split_windows(k_iters, k_splits)
     owned = [s for _, own, end in windows for s in range(own, end)]
     assert owned == list(range(k_iters))
     for i, (first, own, end) in enumerate(windows):
