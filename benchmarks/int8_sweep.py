@@ -1,6 +1,6 @@
 """INT8 (weight-only) sweep: the small-M kernels' configs at M = 1 and 16, then the large-M forms.
 
-    OUT=/tmp/out SWEEP_BUDGET=150 python -m benchmarks.int8_sweep [--part small|large|both]
+    OUT=/tmp/out SWEEP_BUDGET=150 python -m benchmarks.int8_sweep [--part small|large|both|stages|orient|xla]
 
 Each record is one JSON line on stdout (device time per product, the weight streamed from HBM,
 see benchmarks/timing.py); all go to $OUT/int8_sweep_<part>.json. small: `matmul_int8_splitk`
@@ -12,6 +12,8 @@ tiled kernels, beside the bf16 GEMMs. stages: num_stages x num_warps around the 
 orient: the weight-left tile product (`weight_left=True`: CB_tile . x_tile^T, the converted
 weight as the MMA's register operand) against the default x-left one, split-K configs at M = 1
 and 16, tiled configs at M = 128, 2048 and 8192 beside `int8_dequant_dot` and the bf16 GEMM.
+xla (session 22): at M = 2048 and 8192, the dequant pass + GEMM against XLA's GEMM with the
+int8 -> bf16 convert in its operand (`xla_scaled`, `xla_scaled_t`), each with its error.
 """
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
 from jqlora import ops, quant
 from pallas_kernels.matmul_int8 import (
-    matmul_int8, matmul_int8_dequant_dot, matmul_int8_dequant_dot_t, matmul_int8_reference,
-    matmul_int8_splitk, matmul_int8_t)
+    INV127, matmul_int8, matmul_int8_dequant_dot, matmul_int8_dequant_dot_t,
+    matmul_int8_reference, matmul_int8_splitk, matmul_int8_t, matmul_int8_t_reference)
 from pallas_kernels.matmul_int8_gemv import matmul_int8_gemv
 
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
@@ -109,6 +112,52 @@ def large(record):
                     (distinct_copies(a, copies), ws, qs), copies))
 
 
+def xla_scaled(x, cb, scb):
+    """y = (x @ CB.T) * SCB / 127 with CB converted to x's dtype inside the dot (exact), so
+    that XLA can fuse the int8 -> 16-bit convert into its GEMM and read 1-byte weights; the
+    scale is applied to the fp32 result once per output (`dequant="epilogue"` numerics)."""
+    y = lax.dot_general(x, cb.astype(x.dtype), (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)
+    return (y * (scb.astype(jnp.float32) * INV127)[None, :]).astype(x.dtype)
+
+
+def xla_scaled_t(dy, cb, scb):
+    """dx = (dy * SCB / 127, rounded to dy's dtype) @ CB: `matmul_int8_t`'s numerics, the
+    convert of CB left for XLA to fuse into its GEMM."""
+    ds = (dy.astype(jnp.float32) * (scb.astype(jnp.float32) * INV127)[None, :]).astype(dy.dtype)
+    return lax.dot_general(ds, cb.astype(dy.dtype), (((1,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32).astype(dy.dtype)
+
+
+def xla(record):
+    """Large M: the dequant pass + GEMM against XLA's own GEMM with the int8 -> bf16 convert in
+    its operand (`xla_scaled`, `xla_scaled_t`), and each output's error against the
+    reference."""
+    for k, n in SHAPES_KN:
+        copies = l2_defeating_copies(n * k * 2)
+        ws = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * 0.02 for i in range(copies)]
+        qs = [quant.quantize_int8(w) for w in ws]
+        for m in (2048, 8192):
+            x = jax.random.normal(jax.random.key(9), (m, k), jnp.bfloat16)
+            dy = jax.random.normal(jax.random.key(8), (m, n), jnp.bfloat16)
+            cell = dict(k=k, n=n, m=m)
+            progs = {
+                "fwd bf16 dot": (lambda x, w, q: x @ w.T, x),
+                "fwd int8_dequant_dot": (lambda x, w, q: matmul_int8_dequant_dot(x, q.cb, q.scb), x),
+                "fwd xla_scaled": (lambda x, w, q: xla_scaled(x, q.cb, q.scb), x),
+                "bwd bf16 dot": (lambda d, w, q: d @ w, dy),
+                "bwd int8_dequant_dot_t": (lambda d, w, q: matmul_int8_dequant_dot_t(d, q.cb, q.scb), dy),
+                "bwd xla_scaled_t": (lambda d, w, q: xla_scaled_t(d, q.cb, q.scb), dy),
+            }
+            want = {"fwd": matmul_int8_reference(x, qs[0].cb, qs[0].scb, out_dtype=jnp.float32),
+                    "bwd": matmul_int8_t_reference(dy, qs[0].cb, qs[0].scb, out_dtype=jnp.float32)}
+            for what, (fn, a) in progs.items():
+                err = _rel_err(jax.jit(fn)(a, ws[0], qs[0]), want[what[:3]])
+                record(**cell, what=what, rel_err=err, us=us_per_product(
+                    lambda avs, ws, qs, fn=fn: [fn(a, w, q) for a, w, q in zip(avs, ws, qs)],
+                    (distinct_copies(a, copies), ws, qs), copies))
+
+
 def orient(record, budget):
     """Weight-left against x-left tile products (module doc)."""
     t0 = time.time()
@@ -146,7 +195,7 @@ def main():
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=("small", "large", "both", "stages", "orient"),
+    ap.add_argument("--part", choices=("small", "large", "both", "stages", "orient", "xla"),
                     default="both")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
@@ -165,6 +214,8 @@ def main():
         large(record)
     if args.part == "orient":
         orient(record, budget)
+    if args.part == "xla":
+        xla(record)
     with open(os.path.join(out_dir, f"int8_sweep_{args.part}.json"), "w") as f:
         json.dump(records, f, indent=1)
 
