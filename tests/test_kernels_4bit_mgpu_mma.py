@@ -110,7 +110,7 @@ def test_swizzled_weight_loads_are_conflict_free():
 
 
 @settings(max_examples=20, deadline=None)
-@given(m=st.integers(1, 16), x_swap=st.booleans(), tile_k=st.sampled_from([256, 512]))
+@given(m=st.integers(1, mm.MAX_M), x_swap=st.booleans(), tile_k=st.sampled_from([256, 512]))
 def test_x_loads(m, x_swap, tile_k):
     """The two 16-byte x loads of a lane read its 32 bytes (the selects take words 0..3 from
     the load at the piece's start), and with x_swap each load takes the ideal 4 wavefronts
@@ -126,14 +126,14 @@ def test_x_loads(m, x_swap, tile_k):
     counts = {_wavefronts(a, 16) for a in np.concatenate([first, second]).reshape(-1, 32)}
     if x_swap or m == 1:
         assert counts == {4}, counts
-    elif m == 16:  # every quarter-warp of both n8 tiles holds two tokens
+    elif m % 8 == 0:  # every quarter-warp of every n8 tile holds two tokens
         assert counts == {8}, counts
     else:  # the lanes past x's last row read it again (broadcasts)
         assert max(counts) > 4, counts
 
 
 @settings(max_examples=8, deadline=None)
-@given(m=st.integers(1, 16), n256=st.integers(1, 2), k256=st.integers(1, 7),
+@given(m=st.integers(1, mm.MAX_M), n256=st.integers(1, 2), k256=st.integers(1, 7),
        log_bs=st.integers(6, 8), splits=st.sampled_from([1, 2, 3]), seed=st.integers(0, 99),
        f16=st.booleans())
 def test_emulation_matches_the_references(m, n256, k256, log_bs, splits, seed, f16):
@@ -158,13 +158,13 @@ def test_emulation_matches_the_references(m, n256, k256, log_bs, splits, seed, f
     assert rel > 0  # the codes are rounded: a mutation that used exact codes would not be seen
 
 
-@given(m=st.integers(1, 20), n32=st.integers(1, 640), k32=st.integers(1, 640),
+@given(m=st.integers(1, mm.MAX_M + 4), n32=st.integers(1, 640), k32=st.integers(1, 640),
        log_bs=st.integers(5, 12))
 def test_supports_follows_its_rule(m, n32, k32, log_bs):
     """The shape rule, and of those shapes the ones whose default grid gives a quarter of the
     SMs a CTA or has fewer steps than SMs (`grid_fills`)."""
     n, k, bs = 32 * n32, 32 * k32, 2 ** log_bs
-    shape_ok = m <= 16 and n % 256 == 0 and k % 256 == 0 and bs >= 64 and k % bs == 0
+    shape_ok = m <= mm.MAX_M and n % 256 == 0 and k % 256 == 0 and bs >= 64 and k % bs == 0
     if not shape_ok:
         assert not mm.supports(m, n, k, bs)
         return
@@ -221,7 +221,7 @@ def test_uneven_split_problems_are_named():
     assert mm.shape_problem(1, 256, 1280, 256, mm.MmaConfig(k_splits=2)) is None
 
 
-@given(m=st.integers(1, 16), n256=st.integers(1, 200), k256=st.integers(1, 80),
+@given(m=st.integers(1, mm.MAX_M), n256=st.integers(1, 200), k256=st.integers(1, 80),
        log_bs=st.integers(6, 12))
 def test_default_config_is_valid_wherever_supported(m, n256, k256, log_bs):
     """On shapes the kernel can take (a random shape rarely is one; whether its grid fills the
@@ -241,8 +241,8 @@ def test_bad_inputs_get_clear_errors():
         mm.matmul_4bit_mgpu_mma(x, packed, absmax, q.code, blocksize=64, interpret=True)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         mm.matmul_4bit_mgpu_mma(x.astype(jnp.float32), packed, absmax, q.code, blocksize=64)
-    with pytest.raises(ValueError, match=r"M \(17\)"):
-        mm.matmul_4bit_mgpu_mma(jnp.concatenate([x] * 17), packed, absmax, q.code, blocksize=64)
+    with pytest.raises(ValueError, match=r"M \(33\)"):
+        mm.matmul_4bit_mgpu_mma(jnp.concatenate([x] * 33), packed, absmax, q.code, blocksize=64)
     q32, x32, p32, a32 = _problem(1, 256, 512, 32, nested=False)
     with pytest.raises(ValueError, match="multiple of 64"):
         mm.matmul_4bit_mgpu_mma(x32, p32, a32, q32.code, blocksize=32)
@@ -296,6 +296,10 @@ def test_default_takes_512_column_steps_where_they_need_no_k_split(k, n, tile_k,
     (5, 256, 2560, 128, mm.MmaConfig(tile_k=512, wg_reduce=True, k_splits=2), jnp.float16,
      False),
     (3, 256, 1792, 64, mm.MmaConfig(k_splits=3, swizzle=False), jnp.bfloat16, True),
+    # 17..32 tokens: four n8 tiles
+    (32, 512, 2048, 64, None, jnp.bfloat16, True),
+    (24, 256, 2048, 128, mm.MmaConfig(tile_k=512, wg_reduce=True, k_splits=2), jnp.float16,
+     False),
 ])
 def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
     assert "mosaic_gpu" in lower_for_cuda(mm.matmul_4bit_mgpu_mma, m, n, k, bs, dtype, nested,
@@ -355,6 +359,13 @@ gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosa
     (4, 256, 1792, 64, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=3, swizzle=False)),
     (12, 512, 2816, 256, "nf4", jnp.float16, mm.MmaConfig(k_splits=4, stages=3)),
     (2, 256, 1792, 64, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=4, compute_wgs=4)),
+    # 17..32 tokens: three and four n8 tiles of x, the last one partly past x's rows
+    (32, 512, 2048, 64, "nf4", jnp.bfloat16, None),
+    (17, 256, 256 * 43, 64, "nf4", jnp.bfloat16, None),
+    (24, 384, 2048, 64, "fp4", jnp.float16, mm.MmaConfig(tile_k=512, wg_reduce=True)),
+    (29, 256, 1024, 128, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, swizzle=False,
+                                                            x_swap=False)),
+    (32, 256, 2048, 64, "nf4", jnp.float16, mm.MmaConfig(compute_wgs=4, k_splits=2)),
 ])
 def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     q, x, packed, absmax = _problem(m, n, k, bs, quant_type, seed=m + n, x_dtype=dtype)
