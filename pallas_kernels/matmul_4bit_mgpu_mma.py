@@ -1,4 +1,4 @@
-"""4-bit product for small M (<= 32) on Hopper (Mosaic GPU): y = x @ dequant(W).T, each packed
+"""4-bit product for small M (<= 64) on Hopper (Mosaic GPU): y = x @ dequant(W).T, each packed
 byte decoded by one shared-memory load straight into a tensor-core operand (mma.sync m16n8k16).
 
 Why: the pair-table GEMV (`matmul_4bit_mgpu_gemv`) spends two fp32 fma per weight and runs at
@@ -56,10 +56,12 @@ CTA (`wg_reduce`); where that needs no K split (`default_config`: 4096x14336 amo
 shapes) the kernel stores y and the call is one kernel: M = 16 0.374 x bf16 against 0.403 (H100
 s21-11). Summing K splits across a thread-block cluster was no faster (results README).
 
-Up to 32 tokens (session 22; 16 before): four n8 tiles of x, the A fragments of each lookup
+Up to 64 tokens (session 22; 16 before): eight n8 tiles of x, the A fragments of each lookup
 shared by all of them. H100 s22-12, same run: M = 17 / 24 / 32 0.617 / 0.636 / 0.671 x bf16 at
 4096x4096, 0.387 / 0.383 / 0.454 at 4096x14336, 0.448 / 0.468 / 0.474 at 14336x4096, against
-`mgpu_decoded_wgmma`'s 0.831 / 0.808 / 0.707, 0.663 / 0.634 / 0.588 and 0.690 / 0.681 / 0.606.
+`mgpu_decoded_wgmma`'s 0.831 / 0.808 / 0.707, 0.663 / 0.634 / 0.588 and 0.690 / 0.681 / 0.606;
+s22-13: M = 48 0.743 / 0.627 / 0.568 against 0.833 / 0.690 / 0.680, M = 64 0.869 / 0.789 /
+0.701 against 0.738 / 0.648 / 0.616 (`auto` stops at 48).
 
 K splits that do not divide the steps (session 22): a prime step count left one split, 16 CTAs
 for Llama-2-7B's down projection (K = 11008, 43 steps), so `auto` ran slower kernels there.
@@ -96,7 +98,7 @@ from pallas_kernels.mgpu_pipeline import (
     split_steps, split_windows, uneven_splits_problem, warp_specialized)
 from pallas_kernels.registry import Variant
 
-MAX_M = 32  # four n8 tiles of tokens
+MAX_M = 64  # eight n8 tiles of tokens
 def default_config(m: int, n: int, k: int, blocksize: int,
                    tile_k: int | None = None) -> MmaConfig:
     """K splits: the most that divide the K steps, keep whole scale blocks and the CTAs within
@@ -603,7 +605,7 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
 
 def matmul_4bit_mgpu_mma(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                          interpret: bool = False, nested=None, config: MmaConfig | None = None):
-    """y (M, N) = x (M, K) @ dequant(W).T for M <= 32 on a Hopper GPU. x bf16/f16; packed
+    """y (M, N) = x (M, K) @ dequant(W).T for M <= 64 on a Hopper GPU. x bf16/f16; packed
     (N, K // 2) uint8; absmax (N, K // blocksize) f32 or, with `nested`, the uint8 codes."""
     return pair_table_product(
         "matmul_4bit_mgpu_mma", "matmul_4bit_mma_reference", default_config, shape_problem,
@@ -615,7 +617,7 @@ VARIANTS = (
     Variant(
         name="mgpu_mma_pair_table", op="matmul_4bit", fn=matmul_4bit_mgpu_mma,
         reference=matmul_4bit_mma_reference, supports=supports, accepts_nested=True,
-        description="Hopper Mosaic GPU (M <= 32): TMA-streamed packed tiles, each byte looked up "
+        description="Hopper Mosaic GPU (M <= 64): TMA-streamed packed tiles, each byte looked up "
                     "in a lane-replicated 256-entry table of 16-bit code pairs straight into an "
                     "mma.sync A fragment; fp32 group sums times absmax"),
 )

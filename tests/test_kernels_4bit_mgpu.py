@@ -361,10 +361,10 @@ def test_auto_picks_the_mosaic_kernel_on_hopper(monkeypatch):
     q = quant.quantize_4bit(w, "nf4", 64, True)
     plan = lambda m, dtype="bfloat16": backends.choose_plan(q, m, "auto", dtype=dtype)
     assert plan(1, "float32").fwd == "gemv_block_scaled"  # the Hopper kernels take 16-bit x
-    for m in (1, 2, 3, 16, 17, 32):  # the pair-table MMA kernel up to four n8 token tiles
+    for m in (1, 2, 3, 16, 17, 32, 48):  # the pair-table MMA kernel up to six n8 token tiles
         assert plan(m) == backends.Plan("pallas", "mgpu_mma_pair_table", "mgpu_decoded_wgmma_t")
     assert plan(2, "float32").fwd == "gemv_block_scaled"
-    for m in (33, 64, 65, 128):
+    for m in (49, 64, 65, 128):
         assert plan(m) == backends.Plan("pallas", "mgpu_decoded_wgmma", "mgpu_decoded_wgmma_t")
         assert plan(m, "float16").fwd == "mgpu_decoded_wgmma"
     for m in (129, 1024):

@@ -241,8 +241,8 @@ def test_bad_inputs_get_clear_errors():
         mm.matmul_4bit_mgpu_mma(x, packed, absmax, q.code, blocksize=64, interpret=True)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         mm.matmul_4bit_mgpu_mma(x.astype(jnp.float32), packed, absmax, q.code, blocksize=64)
-    with pytest.raises(ValueError, match=r"M \(33\)"):
-        mm.matmul_4bit_mgpu_mma(jnp.concatenate([x] * 33), packed, absmax, q.code, blocksize=64)
+    with pytest.raises(ValueError, match=r"M \(65\)"):
+        mm.matmul_4bit_mgpu_mma(jnp.concatenate([x] * 65), packed, absmax, q.code, blocksize=64)
     q32, x32, p32, a32 = _problem(1, 256, 512, 32, nested=False)
     with pytest.raises(ValueError, match="multiple of 64"):
         mm.matmul_4bit_mgpu_mma(x32, p32, a32, q32.code, blocksize=32)
@@ -296,8 +296,9 @@ def test_default_takes_512_column_steps_where_they_need_no_k_split(k, n, tile_k,
     (5, 256, 2560, 128, mm.MmaConfig(tile_k=512, wg_reduce=True, k_splits=2), jnp.float16,
      False),
     (3, 256, 1792, 64, mm.MmaConfig(k_splits=3, swizzle=False), jnp.bfloat16, True),
-    # 17..32 tokens: four n8 tiles
+    # 17..64 tokens: up to eight n8 tiles
     (32, 512, 2048, 64, None, jnp.bfloat16, True),
+    (64, 512, 2048, 64, None, jnp.bfloat16, True),
     (24, 256, 2048, 128, mm.MmaConfig(tile_k=512, wg_reduce=True, k_splits=2), jnp.float16,
      False),
 ])
@@ -366,6 +367,10 @@ gpu = pytest.mark.skipif(not mm.available(), reason="needs a Hopper GPU and Mosa
     (29, 256, 1024, 128, "nf4", jnp.bfloat16, mm.MmaConfig(k_splits=2, swizzle=False,
                                                             x_swap=False)),
     (32, 256, 2048, 64, "nf4", jnp.float16, mm.MmaConfig(compute_wgs=4, k_splits=2)),
+    # 33..64 tokens: five to eight n8 tiles
+    (40, 512, 2048, 64, "nf4", jnp.bfloat16, None),
+    (36, 384, 2048, 128, "fp4", jnp.float16, mm.MmaConfig(tile_k=512, wg_reduce=True)),
+    (64, 256, 256 * 43, 64, "nf4", jnp.bfloat16, None),
 ])
 def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
     q, x, packed, absmax = _problem(m, n, k, bs, quant_type, seed=m + n, x_dtype=dtype)

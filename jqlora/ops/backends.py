@@ -71,12 +71,13 @@ MGPU_T_MAX_M_4BIT = 128
 # 0.586 / 0.587 (so it takes M = 1 too); M = 2 0.730 / 0.559 / 0.538 against 0.819 / 0.676 /
 # 0.659; M = 16 0.784 / 0.607 / 0.594 against mgpu_decoded_wgmma's 0.948 / 0.901 / 0.925 and
 # its own unswizzled session-18 form's 0.883 / 0.733 / 0.717.
-# Session 22 raised the kernel's M from 16 to 32 (four n8 token tiles); H100, s22-12
-# (results/..._s22_m32_time.json, same run): M = 17 0.617 / 0.387 / 0.448 against
-# mgpu_decoded_wgmma's 0.831 / 0.663 / 0.690, M = 24 0.636 / 0.383 / 0.468 against 0.808 / 0.634
-# / 0.681, M = 32 0.671 / 0.454 / 0.474 against 0.707 / 0.588 / 0.606.
+# Session 22 raised the kernel's M from 16 to 64 (eight n8 token tiles); H100, s22-12 and s22-13
+# (results/..._s22_m32_time.json, ..._s22_m64_time.json, each one run): M = 17 0.617 / 0.387 /
+# 0.448 against mgpu_decoded_wgmma's 0.831 / 0.663 / 0.690, M = 32 0.671 / 0.454 / 0.474 against
+# 0.707 / 0.588 / 0.606, M = 48 0.743 / 0.627 / 0.568 against 0.833 / 0.690 / 0.680; at M = 64
+# the wgmma kernel is ahead (0.738 / 0.648 / 0.616 against 0.869 / 0.789 / 0.701).
 MGPU_MMA_MIN_M_4BIT = 1
-MGPU_MMA_MAX_M_4BIT = 32
+MGPU_MMA_MAX_M_4BIT = 48
 
 # Default variant names per (weight kind, op); the registry in pallas_kernels holds them all.
 # Measured on an H200 (benchmarks/results): at large M the fused kernels are decode-bound
