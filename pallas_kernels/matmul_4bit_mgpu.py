@@ -75,7 +75,7 @@ from pallas_kernels.mgpu_decode import (
     code_loader, codes_layout, decode_fn, mosaic_modules, scale_denester)
 from pallas_kernels.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, load_tile, sm_count,
-    split_steps, split_windows, uneven_splits_problem, warp_specialized)
+    split_steps, split_windows, traced_window, uneven_splits_problem, warp_specialized)
 from pallas_kernels.registry import Variant
 
 
@@ -359,9 +359,8 @@ def _call(x, w4, scales, code, *, blocksize: int, cfg: Config, nest=None):
                 mi, ni = mn % m_iters, mn // m_iters
                 m_sl = pl.ds(mi * tile_m, tile_m)
                 n_sl = pl.ds(ni * cta_n, cta_n)
-                if uneven:  # `split_windows`: the window's first column, the steps to skip
-                    first = jnp.minimum(split * k_iters, k // tile_k - k_iters)
-                    skipped = split * k_iters - first
+                if uneven:  # the window's first step, and the steps to skip
+                    first, skipped = traced_window(split, k // tile_k, cfg.k_splits)
                     k_sl = pl.ds(first * tile_k, k_per)
                     s_sl = pl.ds(first * tile_k // blocksize, max(1, k_per // blocksize))
                 else:
@@ -416,13 +415,15 @@ def _call(x, w4, scales, code, *, blocksize: int, cfg: Config, nest=None):
                             s_wg = s_wg.at[pl.ds(half * (wg_k // blocksize), wg_k // blocksize)]
                     if not nest:
                         s_wg = s_wg.at[:, wg_rows]
+
                     def step():
                         w = load_tile(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
                         a = decode(w, s_wg, codes)
                         plgpu.wgmma(acc, a, x_smem.T)
                         # wait(1) with slots released a step late (decode of step k + 1 under
-                        # this warpgroup's own MMA k) gave NaN on the H100 (s14-6): the A
-                        # registers are reused while the MMA still reads them
+                        # this warpgroup's own MMA k) gave NaN on the H100 (s14-6) and wrong
+                        # values past 32 tokens (s22-9): the A registers are reused while the
+                        # MMA still reads them
                         plgpu.wgmma_wait(0)
 
                     if uneven:  # the moved-back window's steps the split before took

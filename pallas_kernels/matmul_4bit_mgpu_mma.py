@@ -95,7 +95,7 @@ from pallas_kernels.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
 from pallas_kernels.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, grid_fills, sm_count,
-    split_steps, split_windows, uneven_splits_problem, warp_specialized)
+    split_steps, split_windows, traced_window, uneven_splits_problem, warp_specialized)
 from pallas_kernels.registry import Variant
 
 MAX_M = 64  # eight n8 tiles of tokens
@@ -535,9 +535,8 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaConfig, out_
                     row0, col0, part = ni * cta_rows + wg * wg_rows, 0, split
                 out = out_gmem.at[part] if cfg.partials > 1 else out_gmem
                 dst = out.at[:, pl.ds(row0, wg_rows)]
-                if uneven:  # `split_windows`: the window's first step, and the steps to skip
-                    first = jnp.minimum(split * steps, k_iters - steps)
-                    skipped = split * steps - first
+                if uneven:  # the window's first step, and the steps to skip
+                    first, skipped = traced_window(split, k_iters, splits)
 
                 def window_start(unit):  # the window's first K column // unit (it divides)
                     if not uneven:

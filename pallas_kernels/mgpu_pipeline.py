@@ -49,6 +49,16 @@ def split_windows(k_iters: int, k_splits: int) -> list[tuple[int, int, int]]:
             for s in range(k_splits)]
 
 
+def traced_window(split, k_iters: int, k_splits: int):
+    """`split_windows` inside a kernel, for a traced split index: (the window's first step,
+    the steps at its start that the split before owns, 0 but for a moved-back last window)."""
+    import jax.numpy as jnp
+
+    p = split_steps(k_iters, k_splits)
+    first = jnp.minimum(split * p, k_iters - p)
+    return first, split * p - first
+
+
 def uneven_splits_problem(k_iters: int, k_splits: int) -> str | None:
     """Why `k_splits` cannot split `k_iters` steps into `split_windows`, or None: every split
     must own a step (more splits than that give the same windows with idle CTAs)."""
