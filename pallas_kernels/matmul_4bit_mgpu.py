@@ -75,7 +75,7 @@ from pallas_kernels.mgpu_decode import (
     code_loader, codes_layout, decode_fn, mosaic_modules, scale_denester)
 from pallas_kernels.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, load_tile, sm_count,
-    split_steps, split_windows, traced_window, uneven_splits_problem, warp_specialized)
+    split_steps, traced_window, uneven_splits_problem, warp_specialized, window_blocks_problem)
 from pallas_kernels.registry import Variant
 
 
@@ -203,12 +203,7 @@ def _shape_problem(m, n, k, blocksize, cfg: Config) -> str | None:
     if cfg.k_wgs > 1 and (cfg.wg_rows != 64 or cfg.tile_m > 64):
         return ("k_wgs = 2 takes wg_rows = 64 and tile_m <= 64 (four compute warpgroups "
                 f"have {FOUR_WG_REGISTERS} registers each)")
-    window = _window_cols(k, cfg)
-    last_first = split_windows(k // cfg.tile_k, cfg.k_splits)[-1][0] * cfg.tile_k
-    if window % blocksize or last_first % blocksize:
-        return (f"each K split's window ({window} columns from column {last_first} for the "
-                f"last) must hold whole scale blocks")
-    return None
+    return window_blocks_problem(k // cfg.tile_k, cfg.k_splits, cfg.tile_k, blocksize)
 
 
 def _window_cols(k: int, cfg: Config) -> int:

@@ -49,6 +49,19 @@ def split_windows(k_iters: int, k_splits: int) -> list[tuple[int, int, int]]:
             for s in range(k_splits)]
 
 
+def window_blocks_problem(k_iters: int, k_splits: int, tile_k: int,
+                          blocksize: int) -> str | None:
+    """Why `split_windows` of `tile_k`-column steps would cut a scale block, or None. A kernel
+    reads its scales from its window's first block on; windows other than a moved-back last
+    one start at multiples of the window, so the window and the last start are all to check."""
+    window = split_steps(k_iters, k_splits) * tile_k
+    last_first = split_windows(k_iters, k_splits)[-1][0] * tile_k
+    if window % blocksize or last_first % blocksize:
+        return (f"each K split's window ({window} columns from column {last_first} for the "
+                f"last) must hold whole scale blocks")
+    return None
+
+
 def traced_window(split, k_iters: int, k_splits: int):
     """`split_windows` inside a kernel, for a traced split index: (the window's first step,
     the steps at its start that the split before owns, 0 but for a moved-back last window)."""

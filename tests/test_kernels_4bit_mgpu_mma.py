@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from jqlora.quant import tables
 from pallas_kernels import matmul_4bit_mgpu_mma as mm
 from pallas_kernels import mgpu_mma_layout as ml
+from pallas_kernels import mgpu_mma_pieces as mp_pieces
 from pallas_kernels import mgpu_pipeline as mp
 from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from mosaic_lowering import lower_for_cuda
@@ -46,7 +47,7 @@ def test_lookup_program_builds_the_a_fragments(dtype):
     words = rows.view(np.uint32)  # (lane, 2, 2)
     ops_ = {16: words[:, 0, 0], 17: words[:, 0, 1], 18: words[:, 1, 0], 19: words[:, 1, 1],
             20: (base + 4 * (np.arange(lanes) % 32)).astype(np.uint32)}
-    got = _run(mm.lookup_ptx(), ops_, list(range(16)), _table_bytes(code, dtype, base))
+    got = _run(mp_pieces.lookup_ptx(), ops_, list(range(16)), _table_bytes(code, dtype, base))
     c16 = np.asarray(jnp.asarray(code, jnp.float32).astype(dtype).view(jnp.uint16), np.uint32)
     for s in range(4):
         for i, (row, byte) in enumerate(((0, 2 * s), (1, 2 * s), (0, 2 * s + 1), (1, 2 * s + 1))):
