@@ -118,11 +118,16 @@ def check(out: list) -> None:
         out.append(rec)
 
 
-def _config_t(text: str) -> mt.ConfigT | None:
+def _config_t(text: str, shape=None) -> mt.ConfigT | None:
+    """"tile_n=128,n_splits=2" -> ConfigT; "default" -> None (`default_config_t`);
+    "default,tile_n=128" -> the default config of shape (m, n, k) with those fields replaced."""
     if text == "default":
         return None
-    items = (kv.split("=") for kv in text.split(",") if kv)
-    return mt.ConfigT(**{k: int(v) for k, v in items})
+    items = (kv.split("=") for kv in text.split(",") if kv and kv != "default")
+    fields = {k: int(v) for k, v in items}
+    if text.startswith("default"):
+        return dataclasses.replace(mt.default_config_t(*shape, 64), **fields)
+    return mt.ConfigT(**fields)
 
 
 def _mgpu_t(dy, q, cfg):
@@ -176,7 +181,7 @@ def time_backward(out: list, ms, shapes, configs) -> None:
             res["dequant_dot_t"] = us_per_product(
                 lambda ds, qs: [_dd_t(d, q) for d, q in zip(ds, qs)], (dys, qs), copies)
             for text in configs:
-                cfg = _config_t(text)
+                cfg = _config_t(text, (m, n, k))
                 res[f"mgpu_t {text}"] = us_per_product(
                     lambda ds, qs, cfg=cfg: [_mgpu_t(d, q, cfg) for d, q in zip(ds, qs)],
                     (dys, qs), copies)

@@ -13,9 +13,10 @@ reads, and multiplies dy's (M_t, n_t) tile by it:
 
 One compute warpgroup per CTA, which owns 64 output columns (one scale block at blocksize 64);
 the memory warpgroup streams dy, W and the scales with TMA (the code table is loaded once per
-tile into registers, `mgpu_decode.code_loader`). A CTA of about
-100 KB of shared memory leaves room for two per SM, so one CTA's decode can run under the
-other's MMA. The output is dx itself (no transpose); with several N splits XLA sums fp32
+tile into registers, `mgpu_decode.code_loader`). With 64 dy rows a CTA takes about 100 KB of
+shared memory, which leaves room for two per SM, so one CTA's decode can run under the other's
+MMA; with 128 dy rows and 128 weight rows a step (M > 64) about 165 KB, one per SM, measured
+faster all the same (`default_config_t`). The output is dx itself (no transpose); with several N splits XLA sums fp32
 partials. Hopper only, no interpret mode (as the forward kernel).
 """
 from __future__ import annotations
@@ -63,15 +64,19 @@ def _shape_problem(m, n, k, blocksize, cfg: ConfigT) -> str | None:
 def default_config_t(m: int, n: int, k: int, blocksize: int) -> ConfigT:
     """dy rows per CTA: 64 or 128 (the smallest holding M up to 128), else 128; N splits until
     (M tiles x K / 64 column blocks x splits) is about one wave of CTAs, two per SM; 128 weight
-    rows per step where N is not split."""
+    rows per step wherever each split's rows allow it."""
     tile_m = 64 if m <= 64 else 128
     base = -(-m // tile_m) * (k // 64)
     splits = 1
     while base * splits * 2 <= 2 * SMS and splits < 8 and n % (64 * splits * 2) == 0:
         splits *= 2
-    # 128 weight rows per step where N is not split: at 14336x4096 (224 dx column blocks)
-    # 1.42 / 1.54x the dense product at M = 16 / 128 against 1.51 / 1.83 with 64 (H100, s14)
-    tile_n = 128 if splits == 1 and n % 128 == 0 else 64
+    # 128 weight rows per step: at 14336x4096 (no N split, 224 dx column blocks) 1.42 / 1.54x
+    # the dense product at M = 16 / 128 against 1.51 / 1.83 with 64 (H100, s14); with N split
+    # too (session 23, same run, against 64): H100 s23-11 at 4096x4096 M = 1 / 16 / 128 1.43 /
+    # 1.36 / 1.26 against 1.64 / 1.56 / 1.41, at 4096x14336 1.18 / 1.14 / 1.18 against 1.47 /
+    # 1.42 / 1.47; H200 s23-10 M = 16 / 128 1.94 / 1.45 against 2.20 / 1.64 and 1.56 / 1.62
+    # against 1.93 / 1.99
+    tile_n = 128 if (n // splits) % 128 == 0 else 64
     return ConfigT(tile_m=tile_m, tile_n=tile_n, n_splits=splits)
 
 

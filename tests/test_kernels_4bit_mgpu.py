@@ -482,7 +482,7 @@ def test_backward_default_config_is_valid(m, n64, k64):
     cfg = mt.default_config_t(m, n, k, 64)
     assert mt._shape_problem(m, n, k, 64, cfg) is None
     assert cfg.n_splits == 1 or -(-m // cfg.tile_m) * (k // 64) * cfg.n_splits <= 2 * mm.SMS
-    assert (cfg.tile_n == 128) == (cfg.n_splits == 1 and n % 128 == 0)
+    assert (cfg.tile_n == 128) == ((n // cfg.n_splits) % 128 == 0)
 
 
 @pytest.mark.parametrize("m,n,k,bs,cfg", [
