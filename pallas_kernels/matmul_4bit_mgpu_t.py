@@ -15,9 +15,10 @@ One compute warpgroup per CTA, which owns 64 output columns (one scale block at 
 the memory warpgroup streams dy, W and the scales with TMA (the code table is loaded once per
 tile into registers, `mgpu_decode.code_loader`). With 64 dy rows a CTA takes about 100 KB of
 shared memory, which leaves room for two per SM, so one CTA's decode can run under the other's
-MMA; with 128 dy rows and 128 weight rows a step (M > 64) about 165 KB, one per SM, measured
-faster all the same (`default_config_t`). The output is dx itself (no transpose); with several N splits XLA sums fp32
-partials. Hopper only, no interpret mode (as the forward kernel).
+MMA; with 128 dy rows and 128 weight rows a step (M > 64) its buffers take about 178 KB, one
+CTA per SM, and it still measured faster than 64 rows a step (`default_config_t`). The output
+is dx itself (no transpose); with several N splits XLA sums fp32 partials. Hopper only, no
+interpret mode (as the forward kernel).
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ MGPU_MAX_M_4BIT = 1024
 # 1.52 against dequant_dot_t's 1.81 / 2.44 / 2.36; M = 128 1.50 / 1.50 / 1.83 against 1.74 /
 # 2.24 / 2.46. At M = 256 dequant_dot_t is ahead (1.73-2.21 against 2.17-2.98).
 # Session 23 (128 weight rows a step where N is split too): H100 s23-11 M = 1 / 16 / 128 1.43 /
-# 1.36 / 1.26 at 4096x4096 and 1.18 / 1.14 / 1.18 at 4096x14336 (dequant_dot_t 1.92-2.53).
+# 1.36 / 1.26 at 4096x4096 and 1.18 / 1.14 / 1.18 at 4096x14336 (dequant_dot_t 1.74-2.53).
 MGPU_T_MAX_M_4BIT = 128
 # 4-bit on Hopper with 16-bit x, M <= GEMV_MAX_M_4BIT where the MMA kernel below does not take
 # the product (since session 19 only shapes it excludes, e.g. blocksize 32 or N % 256 != 0):
