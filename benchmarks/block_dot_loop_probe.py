@@ -10,7 +10,7 @@ import json, jax, jax.numpy as jnp
 from benchmarks.block_dot_sweep import _runner
 from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
 from benchmarks.timing import distinct_copies, us_per_product
-from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
+from pallas_kernels.triton.matmul_4bit_block_dot import matmul_4bit_block_dot
 def main():
     for k, n, few, full in ((4096, 14336, 2, 8), (14336, 4096, 7, 28), (4096, 4096, 4, 8)):
         copies, dense, qs = nf4_weight_copies(k, n)

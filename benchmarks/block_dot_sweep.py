@@ -31,12 +31,12 @@ from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora.ops.products import nested_kernel_operands_4bit
 from pallas_kernels import _compat
-from pallas_kernels.dequantize_4bit import denest_absmax_reference, scale_block_chunks
-from pallas_kernels.matmul_4bit import matmul_4bit_dequant_dot
-from pallas_kernels.matmul_4bit_block_dot import (
+from pallas_kernels.triton.dequantize_4bit import denest_absmax_reference, scale_block_chunks
+from pallas_kernels.triton.matmul_4bit import matmul_4bit_dequant_dot
+from pallas_kernels.triton.matmul_4bit_block_dot import (
     DEFAULT_CONFIG, default_splits, matmul_4bit_block_dot)
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
-from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
+from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv_reference
+from pallas_kernels.triton.matmul_4bit_small_m import matmul_4bit_small_m
 
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
 GRID = [dict(block_n=bn, block_k=bk, num_warps=nw, programs=pr)

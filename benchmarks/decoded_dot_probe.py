@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from benchmarks.block_dot_sweep import SHAPES_KN, _runner
 from benchmarks.sweep_setup import bf16_us, nf4_weight_copies, record_row, write_rows
 from benchmarks.timing import distinct_copies, us_per_product
-from pallas_kernels.matmul_4bit import matmul_4bit_dequant_dot
-from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
-from pallas_kernels.matmul_4bit_decoded_dot import matmul_4bit_decoded_dot
+from pallas_kernels.triton.matmul_4bit import matmul_4bit_dequant_dot
+from pallas_kernels.triton.matmul_4bit_block_dot import matmul_4bit_block_dot
+from pallas_kernels.triton.matmul_4bit_decoded_dot import matmul_4bit_decoded_dot
 
 MS = (32, 48, 64)
 

@@ -11,8 +11,8 @@ import json, jax, jax.numpy as jnp
 from benchmarks.block_dot_sweep import _runner
 from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
 from benchmarks.timing import distinct_copies, us_per_product
-from pallas_kernels.dequantize_4bit import scale_block_chunks
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv, default_config
+from pallas_kernels.triton.dequantize_4bit import scale_block_chunks
+from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv, default_config
 def main():
     for k, n in ((4096, 14336), (14336, 4096), (4096, 4096)):
         copies, dense, qs = nf4_weight_copies(k, n)

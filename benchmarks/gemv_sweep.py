@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora.ops.products import nested_kernel_operands_4bit
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv, matmul_4bit_gemv_reference
-from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
+from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv, matmul_4bit_gemv_reference
+from pallas_kernels.triton.matmul_4bit_small_m import matmul_4bit_small_m
 
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
 GRID = [dict(block_n=bn, block_k=bk, num_warps=nw, splits=sp)

@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
 from jqlora import ops, quant
-from pallas_kernels.matmul_llm_int8 import llm_int8_matmul_reference, quantize_activations_llm_int8
+from pallas_kernels.triton.matmul_llm_int8 import llm_int8_matmul_reference, quantize_activations_llm_int8
 
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
 MS = (1, 16, 128, 2048, 8192)

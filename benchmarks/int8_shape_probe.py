@@ -5,7 +5,7 @@ GEMM at large M) beside the bf16 GEMM, optionally against another copy of the mo
 
 Shapes: the three protocol shapes and in/out features of Llama-2 7B / 13B MLPs and Qwen2.5-7B,
 where K (in features) has an odd number of 256-column tiles. `--against` loads a second copy of
-`pallas_kernels/matmul_int8.py` (for example the previous commit's, from `git show`) and times
+`pallas_kernels/triton/matmul_int8.py` (for example the previous commit's, from `git show`) and times
 its kernels in the same process. Records: one JSON line each, all in $OUT/int8_shape_probe.json.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
 from jqlora import quant
-from pallas_kernels import matmul_int8 as current
+from pallas_kernels.triton import matmul_int8 as current
 
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096), (11008, 4096), (4096, 11008),
              (13824, 5120), (18944, 3584), (3584, 3584))

@@ -28,10 +28,10 @@ from jax import lax
 
 from benchmarks.timing import distinct_copies, l2_defeating_copies, us_per_product
 from jqlora import ops, quant
-from pallas_kernels.matmul_int8 import (
+from pallas_kernels.triton.matmul_int8 import (
     INV127, matmul_int8, matmul_int8_dequant_dot, matmul_int8_dequant_dot_t,
     matmul_int8_reference, matmul_int8_splitk, matmul_int8_t, matmul_int8_t_reference)
-from pallas_kernels.matmul_int8_gemv import matmul_int8_gemv
+from pallas_kernels.triton.matmul_int8_gemv import matmul_int8_gemv
 
 SHAPES_KN = ((4096, 4096), (4096, 14336), (14336, 4096))
 GRID = [dict(block_n=bn, block_k=bk, splits=sp)

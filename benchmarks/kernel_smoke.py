@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.dequantize_4bit import dequantize_4bit, dequantize_4bit_reference
-from pallas_kernels.matmul_4bit import matmul_4bit, matmul_4bit_dequant_dot, matmul_4bit_reference
-from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
-from pallas_kernels.matmul_4bit_t import (matmul_4bit_t, matmul_4bit_t_dequant_dot,
+from pallas_kernels.triton.dequantize_4bit import dequantize_4bit, dequantize_4bit_reference
+from pallas_kernels.triton.matmul_4bit import matmul_4bit, matmul_4bit_dequant_dot, matmul_4bit_reference
+from pallas_kernels.triton.matmul_4bit_small_m import matmul_4bit_small_m
+from pallas_kernels.triton.matmul_4bit_t import (matmul_4bit_t, matmul_4bit_t_dequant_dot,
                                          matmul_4bit_t_reference)
 
 NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,

@@ -33,7 +33,7 @@ from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copie
 from jqlora import quant
 from jqlora.ops.products import kernel_operands_4bit
 from pallas_kernels import _compat
-from pallas_kernels.dequantize_4bit import _dequant_kernel
+from pallas_kernels.triton.dequantize_4bit import _dequant_kernel
 
 _BN, _BKB = 16, 256  # the dequant kernel's default tile: 16 rows x 256 bytes (512 weights)
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
 from jqlora import ops, quant
 from jqlora.ops.products import kernel_operands_4bit
-from pallas_kernels.dequantize_4bit import dequantize_4bit
+from pallas_kernels.triton.dequantize_4bit import dequantize_4bit
 
 CELLS = ((4096, 14336, 2048), (4096, 14336, 8192), (14336, 4096, 8192))
 _GEMM = re.compile(r'custom_call_target="([^"]+)"|"kind":"(__triton_gemm|__cublas[^"]*)"'

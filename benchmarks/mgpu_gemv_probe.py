@@ -26,9 +26,9 @@ from benchmarks.sweep_setup import (
     bf16_us, nf4_weight_copies, record_row, time_configs_into, write_rows)
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora import ops, quant
-from pallas_kernels import matmul_4bit_mgpu_gemv as mg
-from pallas_kernels import matmul_4bit_mgpu_mma as mm
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
+from pallas_kernels.mosaic import matmul_4bit_mgpu_gemv as mg
+from pallas_kernels.mosaic import matmul_4bit_mgpu_mma as mm
+from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv_reference
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 CONFIGS = ("default", "stages=3")
@@ -62,7 +62,7 @@ def smem_base(out: list, pad: int = 0) -> None:
     """The shared-window address of a kernel's first scratch buffer, where the GEMV's pair
     table sits (a one-prmt table address would need it 64 KiB-aligned: `word_ptx`); with `pad`,
     of a table after a pad of that many bytes (s20: a 62464-byte pad puts it at 65536)."""
-    from pallas_kernels.mgpu_pair_table import smem_address
+    from pallas_kernels.mosaic.mgpu_pair_table import smem_address
     _, _, plgpu, _, arith, memref, _, _ = mg.mosaic_modules()
     from jax._src.lib.mlir import ir
 

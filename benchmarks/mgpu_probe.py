@@ -21,9 +21,9 @@ from benchmarks.sweep_setup import (
     bf16_us, nf4_weight_copies, record_row, time_configs_into, write_rows)
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora import ops, quant
-from pallas_kernels import matmul_4bit_mgpu as mm
-from pallas_kernels import matmul_4bit_mgpu_t as mt
-from pallas_kernels.matmul_4bit import matmul_4bit_reference
+from pallas_kernels.mosaic import matmul_4bit_mgpu as mm
+from pallas_kernels.mosaic import matmul_4bit_mgpu_t as mt
+from pallas_kernels.triton.matmul_4bit import matmul_4bit_reference
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 CONFIGS = ("default", "tile_m=128,k_splits=4", "tile_m=256")
@@ -140,7 +140,7 @@ def _mgpu_t(dy, q, cfg):
 def check_t(out: list) -> None:
     """The backward kernel: dy = I gives dequant(W) itself (each output one product 1 * w, so
     bit for bit bitsandbytes' weight); random dy against the float32 reference."""
-    from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
+    from pallas_kernels.triton.matmul_4bit_t import matmul_4bit_t_reference
     for (m, n, k, bs, dt, cfg_text) in ((256, 256, 512, 64, jnp.bfloat16, "default"),
                                         (256, 256, 512, 64, jnp.float16, "tile_n=128"),
                                         (256, 256, 512, 128, jnp.bfloat16, "n_splits=2")):
@@ -190,7 +190,7 @@ def time_backward(out: list, ms, shapes, configs) -> None:
 
 def _dd_t(dy, q):
     """dequant_dot_t as `qmatmul`'s backward runs it (scales de-nested by XLA)."""
-    from pallas_kernels.matmul_4bit_t import matmul_4bit_t_dequant_dot
+    from pallas_kernels.triton.matmul_4bit_t import matmul_4bit_t_dequant_dot
     n, k = q.shape
     absmax = quant.absmax_f32(q).reshape(n, k // q.blocksize)
     return matmul_4bit_t_dequant_dot(dy, q.packed.reshape(n, k // 2), absmax, q.code,

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.mgpu_decode import mosaic_modules
-from pallas_kernels.mgpu_pair_table import LOAD_V4_PTX, asm, smem_address
-from pallas_kernels.mgpu_pipeline import SMS, sm_count, warp_specialized
+from pallas_kernels.mosaic.mgpu_decode import mosaic_modules
+from pallas_kernels.mosaic.mgpu_pair_table import LOAD_V4_PTX, asm, smem_address
+from pallas_kernels.mosaic.mgpu_pipeline import SMS, sm_count, warp_specialized
 
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 STEP_BYTES = 32 * 1024  # a weight tile, as in both kernels

@@ -41,8 +41,8 @@ def main(argv=None):
         f = jax.jit(lambda x: ops.qmatmul(x, q, backend="pallas"))
     elif mode in ("gemv", "block_dot", "decoded_dot"):
         from jqlora.ops.products import nested_kernel_operands_4bit
-        from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
-        from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv
+        from pallas_kernels.triton.matmul_4bit_block_dot import matmul_4bit_block_dot
+        from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv
 
         w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
         q = quant.quantize_4bit(w, "nf4", 64, True)
@@ -50,7 +50,7 @@ def main(argv=None):
         if mode == "gemv":
             kernel = matmul_4bit_gemv
         elif mode == "decoded_dot":
-            from pallas_kernels.matmul_4bit_decoded_dot import matmul_4bit_decoded_dot as kernel
+            from pallas_kernels.triton.matmul_4bit_decoded_dot import matmul_4bit_decoded_dot as kernel
         else:
             kernel = matmul_4bit_block_dot
             cfg["exact_codes"] = bool(cfg.get("exact_codes", 0))

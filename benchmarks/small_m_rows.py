@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from benchmarks.block_dot_sweep import SHAPES_KN, _runner
 from benchmarks.sweep_setup import bf16_us, nf4_weight_copies, record_row, write_rows
 from benchmarks.timing import distinct_copies, us_per_product
-from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv
-from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
+from pallas_kernels.triton.matmul_4bit_block_dot import matmul_4bit_block_dot
+from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv
+from pallas_kernels.triton.matmul_4bit_small_m import matmul_4bit_small_m
 
 KERNELS = {"gemv": (matmul_4bit_gemv, {}), "splitk_small_m": (matmul_4bit_small_m, {}),
            "block_dot rounded": (matmul_4bit_block_dot, dict(exact_codes=False)),

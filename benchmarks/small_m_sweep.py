@@ -22,7 +22,7 @@ from benchmarks.sweep_setup import bf16_us, nf4_weight_copies
 from benchmarks.timing import distinct_copies, us_per_product
 from jqlora import ops
 from jqlora.ops.products import nested_kernel_operands_4bit
-from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m
+from pallas_kernels.triton.matmul_4bit_small_m import matmul_4bit_small_m
 
 SHAPES_KN = ((4096, 4096), (14336, 4096))
 

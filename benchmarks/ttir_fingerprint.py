@@ -20,13 +20,13 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.matmul_4bit_block_dot import matmul_4bit_block_dot
-from pallas_kernels.matmul_4bit_decoded_dot import matmul_4bit_decoded_dot
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv
-from pallas_kernels.matmul_4bit_mgpu import Config, matmul_4bit_mgpu
-from pallas_kernels.matmul_4bit_mgpu_gemv import GemvConfig, matmul_4bit_mgpu_gemv
-from pallas_kernels.matmul_4bit_mgpu_mma import MmaConfig, matmul_4bit_mgpu_mma
-from pallas_kernels.matmul_4bit_mgpu_t import ConfigT, matmul_4bit_mgpu_t
+from pallas_kernels.triton.matmul_4bit_block_dot import matmul_4bit_block_dot
+from pallas_kernels.triton.matmul_4bit_decoded_dot import matmul_4bit_decoded_dot
+from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv
+from pallas_kernels.mosaic.matmul_4bit_mgpu import Config, matmul_4bit_mgpu
+from pallas_kernels.mosaic.matmul_4bit_mgpu_gemv import GemvConfig, matmul_4bit_mgpu_gemv
+from pallas_kernels.mosaic.matmul_4bit_mgpu_mma import MmaConfig, matmul_4bit_mgpu_mma
+from pallas_kernels.mosaic.matmul_4bit_mgpu_t import ConfigT, matmul_4bit_mgpu_t
 
 N, K = 256, 1024
 CASES = (  # name, kernel, M, kwargs

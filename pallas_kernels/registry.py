@@ -41,20 +41,20 @@ class Variant:
 
 # One entry per kernel module; a module lists its own variants in `VARIANTS`.
 _MODULES = (
-    "pallas_kernels.dequantize_4bit",
-    "pallas_kernels.matmul_4bit",
-    "pallas_kernels.matmul_4bit_small_m",
-    "pallas_kernels.matmul_4bit_gemv",
-    "pallas_kernels.matmul_4bit_block_dot",
-    "pallas_kernels.matmul_4bit_decoded_dot",
-    "pallas_kernels.matmul_4bit_mgpu",
-    "pallas_kernels.matmul_4bit_mgpu_t",
-    "pallas_kernels.matmul_4bit_mgpu_gemv",
-    "pallas_kernels.matmul_4bit_mgpu_mma",
-    "pallas_kernels.matmul_4bit_t",
-    "pallas_kernels.matmul_int8",
-    "pallas_kernels.matmul_int8_gemv",
-    "pallas_kernels.matmul_llm_int8",
+    "pallas_kernels.triton.dequantize_4bit",
+    "pallas_kernels.triton.matmul_4bit",
+    "pallas_kernels.triton.matmul_4bit_small_m",
+    "pallas_kernels.triton.matmul_4bit_gemv",
+    "pallas_kernels.triton.matmul_4bit_block_dot",
+    "pallas_kernels.triton.matmul_4bit_decoded_dot",
+    "pallas_kernels.mosaic.matmul_4bit_mgpu",
+    "pallas_kernels.mosaic.matmul_4bit_mgpu_t",
+    "pallas_kernels.mosaic.matmul_4bit_mgpu_gemv",
+    "pallas_kernels.mosaic.matmul_4bit_mgpu_mma",
+    "pallas_kernels.triton.matmul_4bit_t",
+    "pallas_kernels.triton.matmul_int8",
+    "pallas_kernels.triton.matmul_int8_gemv",
+    "pallas_kernels.triton.matmul_llm_int8",
 )
 
 

@@ -91,7 +91,11 @@ def _strip_hlo(text: str) -> str:
     """StableHLO text without what names a source file, a line or a process-wide counter."""
     text = re.sub(r"loc\([^\n]*?\)", "", text)
     text = re.sub(r"#loc\d*[^\n]*\n", "", text)
-    text = re.sub(r'backend_config = "[^"]*"', "", text)  # serialized kernels, hashed above
+    # serialized kernels carry source locations; their location-free text is hashed above
+    text = re.sub(r'backend_config = "(?:[^"\\]|\\.)*"', "", text)
+    text = re.sub(r'\bir = "(?:[^"\\]|\\.)*"', "", text)
+    text = re.sub(r'\bmodule = "(?:[^"\\]|\\.)*"', "", text)
+    text = re.sub(r'\bkernel_hash = "(?:[^"\\]|\\.)*"', "", text)
     text = re.sub(r"mhlo\.frontend_attributes = \{[^}]*\}", "", text)
     text = re.sub(r"@[A-Za-z0-9_.]+", "@f", text)  # function names carry Python names
     return text

@@ -18,23 +18,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import dequantize_4bit as dq_mod
-from pallas_kernels import matmul_4bit_block_dot as bd_mod
-from pallas_kernels import matmul_4bit_decoded_dot as dd_mod
-from pallas_kernels import matmul_4bit as mm_mod
-from pallas_kernels import matmul_4bit_gemv as gv_mod
-from pallas_kernels import matmul_4bit_small_m as sm_mod
-from pallas_kernels import matmul_4bit_t as t_mod
+from pallas_kernels.triton import dequantize_4bit as dq_mod
+from pallas_kernels.triton import matmul_4bit_block_dot as bd_mod
+from pallas_kernels.triton import matmul_4bit_decoded_dot as dd_mod
+from pallas_kernels.triton import matmul_4bit as mm_mod
+from pallas_kernels.triton import matmul_4bit_gemv as gv_mod
+from pallas_kernels.triton import matmul_4bit_small_m as sm_mod
+from pallas_kernels.triton import matmul_4bit_t as t_mod
 from pallas_kernels._compat import auto_interpret, cdiv, resolve_interpret
-from pallas_kernels.dequantize_4bit import (
+from pallas_kernels.triton.dequantize_4bit import (
     denest_absmax_reference, dequantize_4bit, dequantize_4bit_reference)
-from pallas_kernels.matmul_4bit import matmul_4bit, matmul_4bit_dequant_dot, matmul_4bit_reference
-from pallas_kernels.matmul_4bit_block_dot import (
+from pallas_kernels.triton.matmul_4bit import matmul_4bit, matmul_4bit_dequant_dot, matmul_4bit_reference
+from pallas_kernels.triton.matmul_4bit_block_dot import (
     matmul_4bit_block_dot, matmul_4bit_block_dot_reference, split_code_table)
-from pallas_kernels.matmul_4bit_gemv import (
+from pallas_kernels.triton.matmul_4bit_gemv import (
     matmul_4bit_gemv, matmul_4bit_gemv_reference, matmul_4bit_rounded_codes_reference)
-from pallas_kernels.matmul_4bit_small_m import matmul_4bit_small_m, matmul_4bit_small_m_reference
-from pallas_kernels.matmul_4bit_t import (
+from pallas_kernels.triton.matmul_4bit_small_m import matmul_4bit_small_m, matmul_4bit_small_m_reference
+from pallas_kernels.triton.matmul_4bit_t import (
     matmul_4bit_t, matmul_4bit_t_dequant_dot, matmul_4bit_t_reference)
 from pallas_kernels.registry import OPS, Variant
 

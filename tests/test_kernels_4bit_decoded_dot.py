@@ -1,4 +1,4 @@
-"""The decoded-weight 4-bit tensor-core kernel (`pallas_kernels/matmul_4bit_decoded_dot.py`):
+"""The decoded-weight 4-bit tensor-core kernel (`pallas_kernels/triton/matmul_4bit_decoded_dot.py`):
 against its oracle (interpret mode on CPU, compiled on a GPU), the prmt lookup against the fp32
 gather on the rounded table, the oracle against an independent numpy float64 product, and the
 numerics claim (the weight within one ulp of bitsandbytes' rounding) on random scales.
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.dequantize_4bit import dequantize_4bit_reference
-from pallas_kernels.matmul_4bit_decoded_dot import (
+from pallas_kernels.triton.dequantize_4bit import dequantize_4bit_reference
+from pallas_kernels.triton.matmul_4bit_decoded_dot import (
     matmul_4bit_decoded_dot, matmul_4bit_decoded_dot_reference)
 from test_kernels_4bit import (
     DTYPES, INTERPRET, NF4, TABLES, assert_matmul_close, assert_same_products, check_nested,

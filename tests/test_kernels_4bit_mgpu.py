@@ -1,4 +1,4 @@
-"""The Mosaic GPU 4-bit kernel (`pallas_kernels.matmul_4bit_mgpu`).
+"""The Mosaic GPU 4-bit kernel (`pallas_kernels.mosaic.matmul_4bit_mgpu`).
 
 On CPU: its two PTX programs run in a small PTX interpreter (the instructions they use, per
 lane, with the quad shuffles across 4 lanes) against the plain table lookup and against
@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from jqlora import ops, quant
 from jqlora.quant import tables
-from pallas_kernels.mgpu_pipeline import split_windows
-from pallas_kernels import matmul_4bit_mgpu as mm
-from pallas_kernels import mgpu_decode as md
-from pallas_kernels import matmul_4bit_mgpu_t as mt
-from pallas_kernels.matmul_4bit import matmul_4bit_reference
-from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
+from pallas_kernels.mosaic.mgpu_pipeline import split_windows
+from pallas_kernels.mosaic import matmul_4bit_mgpu as mm
+from pallas_kernels.mosaic import mgpu_decode as md
+from pallas_kernels.mosaic import matmul_4bit_mgpu_t as mt
+from pallas_kernels.triton.matmul_4bit import matmul_4bit_reference
+from pallas_kernels.triton.matmul_4bit_t import matmul_4bit_t_reference
 from pallas_kernels.nibble_lookup import _lop3, _prmt
 from mosaic_lowering import lower_for_cuda
 

@@ -1,4 +1,4 @@
-"""The Hopper pair-table GEMV (`pallas_kernels.matmul_4bit_mgpu_gemv`).
+"""The Hopper pair-table GEMV (`pallas_kernels.mosaic.matmul_4bit_mgpu_gemv`).
 
 On CPU: its PTX programs run in a small interpreter (the instructions they use, with a
 shared-memory table) against the arithmetic `emulate` describes; `emulate` (the kernel's thread
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from jqlora import ops, quant
 from jqlora.quant import tables
-from pallas_kernels import matmul_4bit_mgpu_gemv as mg
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
+from pallas_kernels.mosaic import matmul_4bit_mgpu_gemv as mg
+from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from pallas_kernels.nibble_lookup import _prmt
 from mosaic_lowering import lower_for_cuda
 

@@ -1,4 +1,4 @@
-"""The Hopper pair-table MMA kernel (`pallas_kernels.matmul_4bit_mgpu_mma`).
+"""The Hopper pair-table MMA kernel (`pallas_kernels.mosaic.matmul_4bit_mgpu_mma`).
 
 On CPU: the lookup program runs in the GEMV tests' PTX interpreter against the A fragments the
 MMA needs; the permuted K order of the A and B fragments is one permutation of each group's
@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jqlora.quant import tables
-from pallas_kernels import matmul_4bit_mgpu_mma as mm
-from pallas_kernels import mgpu_mma_layout as ml
-from pallas_kernels import mgpu_mma_pieces as mp_pieces
-from pallas_kernels import mgpu_pipeline as mp
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
+from pallas_kernels.mosaic import matmul_4bit_mgpu_mma as mm
+from pallas_kernels.mosaic import mgpu_mma_layout as ml
+from pallas_kernels.mosaic import mgpu_mma_pieces as mp_pieces
+from pallas_kernels.mosaic import mgpu_pipeline as mp
+from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv_reference
 from mosaic_lowering import lower_for_cuda
 from test_kernels_4bit_mgpu_gemv import _problem, _run
 
@@ -181,7 +181,7 @@ def test_prime_step_counts_get_uneven_splits_and_the_gemv_declines_them():
     moved back over 5 steps the split before took); the GEMV, whose splits must divide the
     steps, declines it (`grid_fills`; `auto` then takes the Triton GEMV at M <= 2 where the
     MMA kernel cannot run). Both keep the transpose and the protocol shapes."""
-    from pallas_kernels import matmul_4bit_mgpu_gemv as mg
+    from pallas_kernels.mosaic import matmul_4bit_mgpu_gemv as mg
     for m in (1, 2, 16):
         cfg = mm.default_config(m, 4096, 11008, 64)
         assert (cfg.tile_k, cfg.k_splits) == (256, 8)

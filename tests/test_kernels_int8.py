@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from pallas_kernels import matmul_int8 as mi
-from pallas_kernels import matmul_int8_gemv as mg
-from pallas_kernels import matmul_llm_int8 as ml
+from pallas_kernels.triton import matmul_int8 as mi
+from pallas_kernels.triton import matmul_int8_gemv as mg
+from pallas_kernels.triton import matmul_llm_int8 as ml
 from pallas_kernels.registry import OPS, Variant
 
 INTERPRET = jax.default_backend() != "gpu"

@@ -133,7 +133,7 @@ def on_gpu() -> bool:
 
 def mgpu_available() -> bool:
     """A Hopper GPU and a jax whose Mosaic GPU runs `mgpu_decoded_wgmma`."""
-    from pallas_kernels import matmul_4bit_mgpu
+    from pallas_kernels.mosaic import matmul_4bit_mgpu
 
     return matmul_4bit_mgpu.available()
 
@@ -153,7 +153,7 @@ def _mgpu_fits(q: Weight4bit, m: int, dtype, backward: bool = False, gemv: bool 
                mma: bool = False) -> bool:
     """Whether the Mosaic GPU kernels take this product: Hopper, 16-bit operands, their shapes,
     and M in the range where they measured faster."""
-    from pallas_kernels import (
+    from pallas_kernels.mosaic import (
         matmul_4bit_mgpu, matmul_4bit_mgpu_gemv, matmul_4bit_mgpu_mma, matmul_4bit_mgpu_t)
 
     n, k, bs = q.shape[0], q.shape[1], q.blocksize

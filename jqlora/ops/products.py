@@ -75,7 +75,7 @@ def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "
         if not isinstance(q, Int8Weight):
             raise ValueError("numerics='llm_int8' applies to Int8Weight only")
         if plan.backend == "xla":
-            from pallas_kernels.matmul_llm_int8 import llm_int8_matmul_reference
+            from pallas_kernels.triton.matmul_llm_int8 import llm_int8_matmul_reference
 
             return llm_int8_matmul_reference(x, q.cb, q.scb, threshold=q.threshold).astype(out_dtype)
         return _variant(plan.fwd).fn(x, q.cb, q.scb, threshold=q.threshold, out_dtype=out_dtype,

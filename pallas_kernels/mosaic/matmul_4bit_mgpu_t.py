@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.dequantize_4bit import check_4bit_operands, supports_4bit
-from pallas_kernels.matmul_4bit import check_x
-from pallas_kernels.mgpu_decode import code_loader, codes_layout, decode_fn, mosaic_modules
-from pallas_kernels.mgpu_pipeline import (
+from pallas_kernels.triton.dequantize_4bit import check_4bit_operands, supports_4bit
+from pallas_kernels.triton.matmul_4bit import check_x
+from pallas_kernels.mosaic.mgpu_decode import code_loader, codes_layout, decode_fn, mosaic_modules
+from pallas_kernels.mosaic.mgpu_pipeline import (
     SMS, load_tile, sm_count, warp_specialized)
-from pallas_kernels.matmul_4bit_t import matmul_4bit_t_reference
+from pallas_kernels.triton.matmul_4bit_t import matmul_4bit_t_reference
 from pallas_kernels.registry import Variant
 
 

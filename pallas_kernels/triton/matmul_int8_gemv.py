@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.matmul_int8 import _check_weight, _pad2, _round_up, _row_scale, matmul_int8_reference
+from pallas_kernels.triton.matmul_int8 import _check_weight, _pad2, _round_up, _row_scale, matmul_int8_reference
 from pallas_kernels.registry import Variant
 
 MAX_M = 4

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
-from pallas_kernels.dequantize_4bit import (
+from pallas_kernels.triton.dequantize_4bit import (
     HIGHEST as _HIGHEST, apply_scales, check_4bit_operands, decode_nibbles, dequantize_4bit,
     dequantize_4bit_reference, load_code_scalars, pick_block_bytes, resolve_method, row_mask,
     supports_4bit)

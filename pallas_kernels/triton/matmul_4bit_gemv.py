@@ -41,11 +41,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
-from pallas_kernels.dequantize_4bit import (
+from pallas_kernels.triton.dequantize_4bit import (
     HIGHEST, check_4bit_nested_operands, check_4bit_operands, check_4bit_weight,
     denest_absmax_reference, dequantize_4bit_reference, kernel_scale_refs, nested_kernel_inputs,
     scale_block_chunks, supports_4bit)
-from pallas_kernels.matmul_4bit import check_x
+from pallas_kernels.triton.matmul_4bit import check_x
 from pallas_kernels.registry import Variant
 
 MAX_M = 4

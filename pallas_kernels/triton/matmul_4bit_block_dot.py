@@ -52,11 +52,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
-from pallas_kernels.dequantize_4bit import (
+from pallas_kernels.triton.dequantize_4bit import (
     HIGHEST, check_4bit_weight, kernel_scale_refs, nested_kernel_inputs, row_mask,
     scale_block_chunks, supports_4bit)
-from pallas_kernels.matmul_4bit import _NT, check_x
-from pallas_kernels.matmul_4bit_gemv import (
+from pallas_kernels.triton.matmul_4bit import _NT, check_x
+from pallas_kernels.triton.matmul_4bit_gemv import (
     matmul_4bit_gemv_reference, matmul_4bit_rounded_codes_reference)
 from pallas_kernels.registry import Variant
 

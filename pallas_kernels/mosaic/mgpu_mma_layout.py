@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from pallas_kernels.mgpu_pair_table import LANES
+from pallas_kernels.mosaic.mgpu_pair_table import LANES
 
 GROUP = 64  # weight columns of one scale group: four k16 MMAs
 TABLE_BYTES = 256 * 256  # entry b at 256 b, lane l's copy at + 4 l (half of each entry unused)

@@ -51,12 +51,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.dequantize_4bit import supports_4bit
-from pallas_kernels.matmul_4bit_gemv import matmul_4bit_gemv_reference
-from pallas_kernels.mgpu_decode import mosaic_modules
-from pallas_kernels.mgpu_pair_table import (
+from pallas_kernels.triton.dequantize_4bit import supports_4bit
+from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv_reference
+from pallas_kernels.mosaic.mgpu_decode import mosaic_modules
+from pallas_kernels.mosaic.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)
-from pallas_kernels.mgpu_pipeline import (
+from pallas_kernels.mosaic.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, grid_fills, sm_count,
     warp_specialized)
 from pallas_kernels.registry import Variant
@@ -165,7 +165,7 @@ def supports(m: int, n: int, k: int, blocksize: int) -> bool:
 
 
 def available() -> bool:
-    from pallas_kernels import matmul_4bit_mgpu
+    from pallas_kernels.mosaic import matmul_4bit_mgpu
     return matmul_4bit_mgpu.available()
 
 

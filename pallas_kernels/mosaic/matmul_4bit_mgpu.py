@@ -68,12 +68,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.dequantize_4bit import (
+from pallas_kernels.triton.dequantize_4bit import (
     check_4bit_weight, denest_absmax_reference, supports_4bit)
-from pallas_kernels.matmul_4bit import check_x, matmul_4bit_reference
-from pallas_kernels.mgpu_decode import (
+from pallas_kernels.triton.matmul_4bit import check_x, matmul_4bit_reference
+from pallas_kernels.mosaic.mgpu_decode import (
     code_loader, codes_layout, decode_fn, mosaic_modules, scale_denester)
-from pallas_kernels.mgpu_pipeline import (
+from pallas_kernels.mosaic.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, load_tile, sm_count,
     split_steps, traced_window, uneven_splits_problem, warp_specialized, window_blocks_problem)
 from pallas_kernels.registry import Variant

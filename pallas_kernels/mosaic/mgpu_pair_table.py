@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.dequantize_4bit import check_4bit_weight
-from pallas_kernels.matmul_4bit import check_x
-from pallas_kernels.mgpu_decode import DENEST_PTX, mosaic_modules
+from pallas_kernels.triton.dequantize_4bit import check_4bit_weight
+from pallas_kernels.triton.matmul_4bit import check_x
+from pallas_kernels.mosaic.mgpu_decode import DENEST_PTX, mosaic_modules
 
 LANES = 32  # a warp: the pair tables hold one copy per lane
 TABLE_BARRIER = 15  # named barrier of the compute warpgroups (Mosaic uses 0 and 1 + wg)

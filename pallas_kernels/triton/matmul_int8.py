@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import load as _masked_load
-from pallas_kernels.matmul_4bit import dot_out
+from pallas_kernels.triton.matmul_4bit import dot_out
 from pallas_kernels.registry import Variant
 
 __all__ = [

@@ -43,11 +43,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
-from pallas_kernels.dequantize_4bit import (
+from pallas_kernels.triton.dequantize_4bit import (
     HIGHEST, apply_scales, check_4bit_weight, denest_absmax_reference, kernel_scale_refs,
     nested_kernel_inputs, pick_block_bytes, row_mask, supports_4bit)
-from pallas_kernels.matmul_4bit import _NT, check_x, matmul_4bit_reference
-from pallas_kernels.matmul_4bit_block_dot import split_code_table
+from pallas_kernels.triton.matmul_4bit import _NT, check_x, matmul_4bit_reference
+from pallas_kernels.triton.matmul_4bit_block_dot import split_code_table
 from pallas_kernels.registry import Variant
 
 LOOKUPS = ("gather", "prmt")

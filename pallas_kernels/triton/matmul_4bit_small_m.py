@@ -23,11 +23,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
-from pallas_kernels.dequantize_4bit import (
+from pallas_kernels.triton.dequantize_4bit import (
     HIGHEST as _HIGHEST, check_4bit_nested_operands, check_4bit_weight, denest_absmax_reference,
     denest_tile, load_code_scalars, nested_kernel_inputs, pick_block_bytes, resolve_method,
     row_mask, supports_4bit)
-from pallas_kernels.matmul_4bit import (
+from pallas_kernels.triton.matmul_4bit import (
     _NT, absmax_cols, check_x, decode_tile, matmul_4bit_reference, split_even_odd)
 from pallas_kernels.registry import Variant
 

@@ -16,10 +16,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
-from pallas_kernels.dequantize_4bit import (
+from pallas_kernels.triton.dequantize_4bit import (
     HIGHEST as _HIGHEST, check_4bit_operands, dequantize_4bit, dequantize_4bit_reference,
     load_code_scalars, pick_block_bytes, resolve_method, supports_4bit)
-from pallas_kernels.matmul_4bit import absmax_cols, check_x, decode_tile, dot_out
+from pallas_kernels.triton.matmul_4bit import absmax_cols, check_x, decode_tile, dot_out
 
 _NN = (((1,), (0,)), ((), ()))
 from pallas_kernels.registry import Variant

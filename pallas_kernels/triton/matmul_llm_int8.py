@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.matmul_int8 import (
+from pallas_kernels.triton.matmul_int8 import (
     INV127,
     _output_tiles,
     _pad2,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.mgpu_decode import mosaic_modules
-from pallas_kernels.mgpu_mma_layout import GROUP, MmaConfig, acc_count, n_tiles_of
-from pallas_kernels.mgpu_pair_table import (
+from pallas_kernels.mosaic.mgpu_decode import mosaic_modules
+from pallas_kernels.mosaic.mgpu_mma_layout import GROUP, MmaConfig, acc_count, n_tiles_of
+from pallas_kernels.mosaic.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, scale_loaders, smem_address)
 
 

@@ -88,13 +88,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.dequantize_4bit import supports_4bit
-from pallas_kernels.mgpu_decode import mosaic_modules
-from pallas_kernels.mgpu_mma_layout import (
+from pallas_kernels.triton.dequantize_4bit import supports_4bit
+from pallas_kernels.mosaic.mgpu_decode import mosaic_modules
+from pallas_kernels.mosaic.mgpu_mma_layout import (
     GROUP, TABLE_BYTES, TILE_KS, MmaConfig, acc_count, mma_columns, smem_bytes)
-from pallas_kernels.mgpu_mma_pieces import pieces, swizzled_tile_transforms
-from pallas_kernels.mgpu_pair_table import pair_table_product
-from pallas_kernels.mgpu_pipeline import (
+from pallas_kernels.mosaic.mgpu_mma_pieces import pieces, swizzled_tile_transforms
+from pallas_kernels.mosaic.mgpu_pair_table import pair_table_product
+from pallas_kernels.mosaic.mgpu_pipeline import (
     FOUR_WG_REGISTERS, SMEM_LIMIT, SMS, compute_registers_held, grid_fills, sm_count,
     split_steps, split_windows, traced_window, uneven_splits_problem, warp_specialized,
     window_blocks_problem)
@@ -188,7 +188,7 @@ def supports(m: int, n: int, k: int, blocksize: int) -> bool:
 
 
 def available() -> bool:
-    from pallas_kernels import matmul_4bit_mgpu
+    from pallas_kernels.mosaic import matmul_4bit_mgpu
     return matmul_4bit_mgpu.available()
 
 
