@@ -19,6 +19,7 @@ from typing import Callable
 #   "llm_int8":        fn(x (M,K), cb, scb, *, threshold, out_dtype, interpret) -> (M,N)
 # A 4-bit variant with `accepts_nested` also takes nested=(nested_absmax, nested_code, offset)
 # with absmax the uint8 (N,K//bs) codes of double-quantized scales, and de-nests them itself.
+PLATFORMS = ("gpu", "sm90")
 OPS = ("matmul_4bit", "matmul_4bit_t", "dequantize_4bit", "matmul_int8", "matmul_int8_t", "llm_int8")
 
 
@@ -33,10 +34,15 @@ class Variant:
     supports: Callable[[int, int, int, int], bool]
     description: str = ""
     accepts_nested: bool = False  # takes double-quantized scales via `nested=` (see above)
+    platform: str = "gpu"  # "gpu": Triton lowering, any CUDA GPU; "sm90": Mosaic GPU, Hopper only
+    interpret: bool = True  # runs under Pallas interpret mode on CPU (False: GPU only)
 
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"variant {self.name!r}: unknown op {self.op!r}; expected one of {OPS}")
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"variant {self.name!r}: unknown platform {self.platform!r}; "
+                             f"expected one of {PLATFORMS}")
 
 
 # One entry per kernel module; a module lists its own variants in `VARIANTS`.

@@ -462,6 +462,7 @@ def supports(m, n, k, blocksize):
 VARIANTS = (
     Variant(
         name="mgpu_decoded_wgmma", op="matmul_4bit", fn=matmul_4bit_mgpu,
+        platform="sm90", interpret=False,
         reference=matmul_4bit_reference, supports=supports, accepts_nested=True,
         description="Hopper Mosaic GPU: warp-specialized TMA pipeline, 4-bit tile decoded in "
                     "registers (per-row scaled byte-plane tables, byte permutes) as the wgmma "

@@ -541,6 +541,7 @@ def matmul_4bit_mgpu_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=
 VARIANTS = (
     Variant(
         name="mgpu_gemv_pair_table", op="matmul_4bit", fn=matmul_4bit_mgpu_gemv,
+        platform="sm90", interpret=False,
         reference=matmul_4bit_gemv_reference, supports=supports, accepts_nested=True,
         description="Hopper Mosaic GPU GEMV (M <= 2): TMA-streamed packed tiles, each byte's two "
                     "fp32 codes from one conflict-free shared-memory load of a lane-replicated "

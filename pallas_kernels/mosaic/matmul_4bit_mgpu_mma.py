@@ -376,6 +376,7 @@ def matmul_4bit_mgpu_mma(x, packed, absmax, code, *, blocksize: int, out_dtype=N
 VARIANTS = (
     Variant(
         name="mgpu_mma_pair_table", op="matmul_4bit", fn=matmul_4bit_mgpu_mma,
+        platform="sm90", interpret=False,
         reference=matmul_4bit_mma_reference, supports=supports, accepts_nested=True,
         description="Hopper Mosaic GPU (M <= 64): TMA-streamed packed tiles, each byte looked up "
                     "in a lane-replicated 256-entry table of 16-bit code pairs straight into an "

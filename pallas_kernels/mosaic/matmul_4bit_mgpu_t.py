@@ -211,6 +211,7 @@ def _call_t(dy, w4, scales_t, code, *, blocksize: int, cfg: ConfigT):
 VARIANTS = (
     Variant(
         name="mgpu_decoded_wgmma_t", op="matmul_4bit_t", fn=matmul_4bit_mgpu_t,
+        platform="sm90", interpret=False,
         reference=matmul_4bit_t_reference, supports=supports_t,
         description="Hopper Mosaic GPU backward: each (n_t, 64) weight tile decoded in registers "
                     "(per-row byte-plane tables), stored to shared memory, dx tile += dy . W by "
