@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
 
-.PHONY: test demo venv bench clean
+.PHONY: test demo venv bench tune clean
 
 venv: $(STAMP)
 
@@ -21,8 +21,13 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/jqlora demo
 
-bench:
-	python3 -m benchmarks.run
+# GPU benchmark protocol (docs/benchmarks.md); ARGS passes options, e.g. ARGS="--ms 1,16"
+bench: $(STAMP)
+	$(PY) -m benchmarks.run $(ARGS)
+
+# one kernel's configs: make tune ARGS='--variant NAME --configs "default;default,f=v" --ms 1,16'
+tune: $(STAMP)
+	$(PY) -m benchmarks.tune $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

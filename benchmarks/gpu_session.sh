@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs, in as few device calls as possible (device time is scarce).
-#   bash benchmarks/gpu_session.sh tests   # compiled-kernel correctness suite (~7 min, s16)
+#   bash benchmarks/gpu_session.sh tests   # compiled-kernel correctness suite (~7 min)
 #   bash benchmarks/gpu_session.sh bench   # benchmark tables + dequant + memory proof (~9 min;
 #                                          # TAG=_x names the result files <gpu>-<date>_x.*)
 #   bash benchmarks/gpu_session.sh bench-small  # the same protocol in two calls with torch and
 #   bash benchmarks/gpu_session.sh bench-large  # bitsandbytes: M = 1, 16, 128 (+ dequant, memory)
 #                                               # / M = 2048, 8192 (files <gpu>-<date>_small|_large.*)
 #   bash benchmarks/gpu_session.sh train [1b|8b]  # end-to-end QLoRA step, jqlora vs torch (~2 / ~8 min)
-# Carry `.whl` (bitsandbytes wheel, see shared/GPU.md). Results land in $OUT.
+# Carry `.whl` (bitsandbytes wheel, see docs/benchmarks.md). Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/jqlora-out}
 mkdir -p "$OUT"
@@ -17,7 +17,7 @@ case "${1:-tests}" in
   tests)
     # Several workers share the GPU (compiles are CPU-bound): no preallocation per process.
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \
-      --tb=short -rf tests/test_ops.py tests/test_kernels_4bit.py \
+      --tb=short -rf tests/test_ops.py tests/test_variants.py tests/test_dispatch.py tests/test_kernels_4bit.py \
       tests/test_kernels_4bit_decoded_dot.py tests/test_kernels_4bit_mgpu.py tests/test_kernels_4bit_mgpu_gemv.py \
       tests/test_kernels_4bit_mgpu_mma.py tests/test_kernels_int8.py \
       tests/test_models.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
@@ -26,11 +26,10 @@ case "${1:-tests}" in
     timeout 570 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 270 \
       --tag "${TAG:-}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v "^  M=" | tail -20 ;;
   bench-small|bench-large)
-    # the protocol in two calls, each within a 10-minute call (s16: 449-492 s and 123 s), torch
+    # the protocol in two calls, each within a 10-minute call (about 450-500 s and 120 s), torch
     # and bitsandbytes included:
     # M = 1, 16, 128 with dequant and the memory proof, then M = 2048, 8192 (no variant sweep;
-    # matmul cells started after 360 s are skipped so that torch and the files still come out;
-    # s15: M = 1, 16 took 157 s and M = 128 146 s without dequant and memory)
+    # matmul cells started after 360 s are skipped so that torch and the files still come out)
     if [ "$1" = bench-small ]; then args="--ms 1,16,128"; else args="--ms 2048,8192 --skip dequant,memory"; fi
     timeout 570 python3 -m benchmarks.run --iterations 10 --variants none --budget-s 360 $args \
       --tag "${TAG:-}_${1#bench-}" --out "$OUT" 2>&1 | tee "$OUT/bench_${1#bench-}.log" | grep -v "^  M=" | tail -20 ;;

@@ -1,4 +1,4 @@
-"""Quantized matmul contenders over the protocol's shapes (GPU.md): forward and forward+backward(dx).
+"""Quantized matmul contenders over the protocol's shapes (docs/benchmarks.md): forward and forward+backward(dx).
 
 Ratios are device time / device time of `jnp.dot` bf16 on the same shape in the same run.
 """

@@ -1,6 +1,8 @@
 """One command for the GPU benchmark: `python -m benchmarks.run` (also `jqlora bench`).
 
-Writes benchmarks/results/<gpu>-<yyyy-mm-dd>.json and .md with device name and versions.
+Writes <out>/<gpu>-<yyyy-mm-dd><tag>.json and .md with device name and versions (default out:
+benchmarks/results/; once committed they are filed under results/history/<date>_<commit>/, and a
+run that replaces a cited one is copied to results/latest/: docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 
 import jax
 
-from benchmarks import matmul_bench, target_status
+from benchmarks import matmul_bench, targets
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 
@@ -92,7 +94,7 @@ def markdown(res: dict) -> str:
     if res.get("memory"):
         lines += ["## memory: fwd+bwd through a stack of NF4 layers", "", "```",
                   json.dumps(res["memory"], indent=1), "```", ""]
-    lines.append(target_status.markdown(res))
+    lines.append(targets.markdown(res))
     return "\n".join(lines)
 
 

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 def distinct_copies(x, n: int) -> list:
     """n device copies of x, one per product of a timed call. Products that share one x are merged
     by XLA's dot merger into one wide GEMM plus concatenate/slice copies, which no single user call
-    runs: the bf16 baseline at 4096x4096, M = 2048 took 110.8 us per product merged against 89.2 us
-    with distinct copies (H200, results/..._dot_merge_probe.txt). An optimization barrier per
-    product does not prevent it (identical barriers are CSE'd; checked on the H200)."""
+    runs, and which time differently from the products apart. An optimization barrier per product
+    does not prevent it (identical barriers are CSE'd). Evidence: benchmarks/results/JOURNAL.md."""
     return [x] + [jnp.array(x, copy=True) for _ in range(n - 1)]
 
 
@@ -69,7 +68,7 @@ def us_per_product(fn, args, copies: int, iterations: int = 10):
 
 
 def torch_device_ms(fn, iterations: int = 20) -> float:
-    """Mean per-call CUDA kernel time (ms) of `fn()` from torch.profiler (as GPU.md's reference)."""
+    """Mean per-call CUDA kernel time (ms) of `fn()` from torch.profiler (the protocol's torch reference, docs/benchmarks.md)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,8 +1,8 @@
 """torch contenders (bf16 x @ W.T, bitsandbytes.matmul_4bit), timed in their OWN process.
 
 torch.profiler (Kineto) and JAX's CUPTI-based `measure` both subscribe to CUPTI; once Kineto has
-run in a process, later JAX measurements in it came out 2-4x too slow (seen on an H200:
-a bf16 copy at 1.3 TB/s instead of ~4). So `benchmarks.run` measures every JAX contender first
+run in a process, later JAX measurements in it come out several times too slow (a bf16 copy at
+a third of its bandwidth; benchmarks/results/JOURNAL.md). So `benchmarks.run` measures every JAX contender first
 and then calls this module in a subprocess:
     python -m benchmarks.torch_bench --cells 1x4096x4096,16x4096x4096 --iterations 10
 It prints one JSON object {"MxKxN": {contender: {"fwd_ms", "fwd_bwd_ms"}}}.

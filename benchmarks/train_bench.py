@@ -106,7 +106,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     import numpy as np
 
     from jqlora.train.frozen_jit import frozen_jit
-    from jqlora.train.loop import LOSS_CHUNK, _train_step_impl, train_step
+    from jqlora.train.step import LOSS_CHUNK, _train_step_impl, train_step
 
     step = train_step
     if loss_chunk is not None and loss_chunk != LOSS_CHUNK:  # the library's step, another chunk

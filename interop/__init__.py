@@ -1,46 +1,41 @@
 """The border with PyTorch / bitsandbytes / PEFT / HF files: the only package that knows their layouts.
 
-Reading and writing checkpoints needs no torch; the torch bridge imports torch on first use.
+Reading and writing checkpoints and adapters needs no torch; the torch bridge
+(:mod:`interop.torch_bridge`) imports torch and bitsandbytes only when one of its functions runs,
+so ``import interop`` works without them.
+
+Key scheme of ``params`` (what :func:`load_bnb_checkpoint` returns and :func:`save_bnb_checkpoint`
+takes):
+
+* A quantized linear weight is keyed by its **module name**, without ``.weight``:
+  ``params["model.layers.0.self_attn.q_proj"]`` is a :class:`jqlora.quant.Weight4bit` or
+  :class:`jqlora.quant.Int8Weight` (logical shape (out_features, in_features), y = x @ W.T).
+* Every other tensor is keyed by its **full tensor key** and is a jax array in its stored dtype:
+  ``"model.embed_tokens.weight"``, ``"model.layers.0.input_layernorm.weight"``,
+  ``"model.layers.0.self_attn.q_proj.bias"``, ``"lm_head.weight"`` (unquantized lm_head).
+  So a quantized module ``m`` is ``params[m]`` and its bias is ``params[m + ".bias"]``; a dense
+  linear is ``params[m + ".weight"]``. The two kinds of keys never collide.
+
+Modules: :mod:`interop.bnb_load` (loading and every check of what is on disk),
+:mod:`interop.bnb_save` (writing, ``build_quantization_config``), :mod:`interop.bnb_common`
+(``config.json`` and the shapes a config implies), :mod:`interop.peft_adapter` (PEFT LoRA adapter
+directories), :mod:`interop.safetensors_io` (the one safetensors reader and writer),
+:mod:`interop.torch_bridge` (live torch / bitsandbytes objects).
 """
 from __future__ import annotations
 
-from interop.bnb_checkpoint import load_bnb_checkpoint, save_bnb_checkpoint
+from interop.bnb_load import load_bnb_checkpoint
+from interop.bnb_save import save_bnb_checkpoint
 from interop.errors import CheckpointError
+from interop.peft_adapter import load_peft_adapter, save_peft_adapter
 from interop.safetensors_io import open_checkpoint, write_safetensors
-
-
-def from_torch(obj, **kwargs):
-    """bitsandbytes Params4bit/Linear4bit -> Weight4bit, Int8Params/Linear8bitLt -> Int8Weight,
-    torch tensor / nn.Linear -> jax array. See interop.torch_bridge."""
-    from interop.torch_bridge import from_torch as _f
-
-    return _f(obj, **kwargs)
-
-
-def from_torch_module(module, **kwargs):
-    """Linear4bit / Linear8bitLt / nn.Linear -> (weight, bias or None). See interop.torch_bridge."""
-    from interop.torch_bridge import from_torch_module as _f
-
-    return _f(module, **kwargs)
-
-
-def to_torch(x, **kwargs):
-    """Weight4bit -> Params4bit, Int8Weight -> Int8Params, array -> torch tensor. See interop.torch_bridge."""
-    from interop.torch_bridge import to_torch as _f
-
-    return _f(x, **kwargs)
-
-
-def to_torch_module(weight, bias=None, **kwargs):
-    """(weight, bias) -> Linear4bit / Linear8bitLt / nn.Linear. See interop.torch_bridge."""
-    from interop.torch_bridge import to_torch_module as _f
-
-    return _f(weight, bias, **kwargs)
-
+from interop.torch_bridge import from_torch, from_torch_module, to_torch, to_torch_module
 
 __all__ = [
     "load_bnb_checkpoint",
     "save_bnb_checkpoint",
+    "load_peft_adapter",
+    "save_peft_adapter",
     "from_torch",
     "from_torch_module",
     "to_torch",
@@ -49,15 +44,3 @@ __all__ = [
     "open_checkpoint",
     "write_safetensors",
 ]
-
-# ---- PEFT adapters (interop/peft_adapter.py, another engineer's file) -------------------------
-# LEAD: save_peft_adapter / load_peft_adapter are exported here. The guard keeps this package
-# importable while peft_adapter.py does not exist yet; once it lands the lead may drop the guard.
-try:
-    from interop.peft_adapter import load_peft_adapter, save_peft_adapter  # noqa: F401
-except ModuleNotFoundError as _e:  # only "the file is not there yet"; real import errors propagate
-    if _e.name != "interop.peft_adapter":
-        raise
-else:
-    __all__ += ["save_peft_adapter", "load_peft_adapter"]
-# -----------------------------------------------------------------------------------------------

@@ -1,25 +1,26 @@
 """Atomic file and directory writes: the one place that does "temp name, fsync, rename".
 
-Why: invariant 7 of DESIGN.md, nothing is ever half-written. A reader (or a crash, or a full disk)
+Why: invariant 7 of docs/design.md, nothing is ever half-written. A reader (or a crash, or a full disk)
 sees either the previous file/directory or the complete new one, never a partial one, and a
 failure leaves no temporary litter behind. Every writer in jqlora (safetensors files, bitsandbytes
-checkpoint dirs, PEFT adapters, training checkpoints, CLI JSON records) goes through here.
+checkpoint dirs, PEFT adapters, training checkpoints, JSON run records) goes through here.
 
 How: data is written under a hidden temporary name in the *same* directory as the target (so the
 final ``os.replace``/``os.rename`` stays on one filesystem and is atomic), fsynced, renamed into
 place, and then the parent directory is fsynced so the rename itself is durable.
 
-Pure standard library, cheap to import (the CLI imports it before jax).
+Pure standard library.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 __all__ = [
     "fsync_dir",
@@ -28,6 +29,7 @@ __all__ = [
     "atomic_path",
     "write_bytes_atomic",
     "write_text_atomic",
+    "write_json_atomic",
     "atomic_directory",
 ]
 
@@ -90,6 +92,22 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
 def write_text_atomic(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
     """Write `text` to `path` atomically (see :func:`atomic_path`). Returns the path."""
     return write_bytes_atomic(path, text.encode(encoding))
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    """Write `obj` as indented JSON with sorted keys to `path` atomically, creating the parent
+    directory if missing. Values JSON does not know (paths, dtypes) are written as their str().
+
+    Args:
+      path: the file to write.
+      obj: a JSON-serialisable value (after str() of unknown leaves).
+
+    Returns:
+      The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def _fsync_tree(root: Path) -> None:

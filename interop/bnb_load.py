@@ -1,10 +1,10 @@
 """Load and validate bitsandbytes-quantized (or plain) Hugging Face checkpoints into JAX.
 
-Exists to hold the reading side of interop.bnb_checkpoint on its own: every check a checkpoint
-on disk must pass before it becomes ``params`` (key scheme: see interop.bnb_checkpoint).
+The reading side of the bitsandbytes checkpoint code: every check a checkpoint on disk must pass
+before it becomes ``params`` (key scheme: see :mod:`interop`).
 
-On-disk format (BNB_FORMAT.md §3, §5)
--------------------------------------
+On-disk format (docs/bnb_format.md §3, §5)
+------------------------------------------
 4-bit module ``m``: ``m.weight`` (packed codes, uint8 ((n+1)//2, 1), or the same bytes viewed as
 the ``bnb_4bit_quant_storage`` dtype), ``m.weight.absmax`` (float32, or uint8 codes when nested),
 ``m.weight.quant_map`` (float32 (16,)), when nested ``m.weight.nested_absmax`` and
@@ -13,8 +13,8 @@ the ``bnb_4bit_quant_storage`` dtype), ``m.weight.absmax`` (float32, or uint8 co
 "nested_offset"]})``). 8-bit module ``m``: ``m.weight`` int8 (out, in), ``m.SCB`` float32 (out,),
 ``m.weight_format`` uint8 0-d (0 = row; bitsandbytes treats a missing one as row, so do we).
 
-Shape check and transposed weights (DESIGN invariant 4)
--------------------------------------------------------
+Shape check and transposed weights (docs/design.md, invariant 4)
+----------------------------------------------------------------
 For Llama-family configs (model_type in :data:`LLAMA_FAMILY`) the recorded logical shape of every
 quantized ``layers.N.self_attn.{q,k,v,o}_proj`` / ``layers.N.mlp.{gate,up,down}_proj`` and of
 ``lm_head`` is checked against (out, in) derived from hidden_size, intermediate_size,

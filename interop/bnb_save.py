@@ -1,8 +1,8 @@
-"""Write params (the interop.bnb_checkpoint key scheme) as a checkpoint directory that
+"""Write params (the key scheme of :mod:`interop`) as a checkpoint directory that
 transformers + bitsandbytes load, and build the quantization_config that describes them.
 
-Exists to hold the writing side of interop.bnb_checkpoint on its own: tensor layout exactly as
-bitsandbytes' state_dict (BNB_FORMAT.md §3, §5), config.json, sharding and the atomic rename.
+The writing side of the bitsandbytes checkpoint code: tensor layout exactly as bitsandbytes'
+state_dict (docs/bnb_format.md §3, §5), config.json, sharding and the atomic rename.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from jqlora.quant.tables import NESTED_BLOCKSIZE
 
 
 def _quantized_tensors(m: str, q) -> dict:
-    """The tensors bitsandbytes' state_dict holds for module `m` (BNB_FORMAT.md §3, §5)."""
+    """The tensors bitsandbytes' state_dict holds for module `m` (docs/bnb_format.md §3, §5)."""
     if isinstance(q, Weight4bit):
         k = m + ".weight"
         n = q.numel

@@ -12,6 +12,10 @@ Layout written by PEFT 0.21 ``save_pretrained`` (checked against it in tests/tes
   (``...lora_A.default.weight``), and the loader accepts that form too.
 
 In memory an adapter is ``{module_name: {"lora_A": (r, in), "lora_B": (out, r)}}``.
+
+The weights file is read and written by :mod:`interop.safetensors_io`, whose writer produces the
+bytes ``safetensors.numpy.save_file`` would (tests load our adapters with ``safetensors`` and with
+``peft``).
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from interop.atomic_io import atomic_directory, atomic_path, write_text_atomic
+from interop.atomic_io import atomic_directory, write_text_atomic
+from interop.errors import CheckpointError
+from interop.safetensors_io import SafetensorsFile, write_safetensors
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -33,18 +39,11 @@ KEY_PREFIX = "base_model.model."
 # base_model.model.<module>.lora_A[.<adapter>].weight
 _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<which>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.weight$")
 
-_SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16,
-}
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # the dtypes a LoRA weight may have on disk
 
 
-try:  # one family of interop errors: catching CheckpointError (a ValueError) catches these too
-    from interop.errors import CheckpointError as _Base
-except ImportError:  # pragma: no cover
-    _Base = ValueError
-
-
-class AdapterFormatError(_Base):
+# one family of interop errors: catching CheckpointError (a ValueError) catches these too
+class AdapterFormatError(CheckpointError):
     """A PEFT adapter directory, file or in-memory adapter that jqlora cannot read or write.
 
     A ValueError (and an interop CheckpointError); the message names the file and the tensor key
@@ -122,15 +121,12 @@ def save_peft_adapter(
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise AdapterFormatError(f"{path}: exists and is not a directory")
-    from safetensors.numpy import save_file
-
     if os.path.isdir(path):  # weights first, config last, each replaced atomically
-        with atomic_path(os.path.join(path, WEIGHTS_NAME)) as tmp:
-            save_file(tensors, os.fspath(tmp), metadata={"format": "pt"})
+        write_safetensors(os.path.join(path, WEIGHTS_NAME), tensors, metadata={"format": "pt"})
         write_text_atomic(os.path.join(path, CONFIG_NAME), config_text)
     else:
         with atomic_directory(path) as tmp:
-            save_file(tensors, os.fspath(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            write_safetensors(tmp / WEIGHTS_NAME, tensors, metadata={"format": "pt"})
             (tmp / CONFIG_NAME).write_text(config_text, encoding="utf-8")
     return path
 
@@ -316,26 +312,18 @@ def _read_config(config_file: str) -> dict:
 
 
 def _read_safetensors(weights_file: str) -> dict:
-    from safetensors import deserialize
-
     try:
-        with open(weights_file, "rb") as f:
-            raw = deserialize(f.read())
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise AdapterFormatError(f"{weights_file}: not a valid safetensors file: {e}") from e
-    out = {}
-    for key, view in raw:
-        dtype = view["dtype"]
-        if dtype == "BF16":
-            import ml_dtypes
-
-            np_dtype = np.dtype(ml_dtypes.bfloat16)
-        elif dtype in _SAFETENSORS_DTYPES:
-            np_dtype = np.dtype(_SAFETENSORS_DTYPES[dtype])
-        else:
-            raise AdapterFormatError(f"{weights_file}: tensor {key!r} has dtype {dtype}; expected F32, F16, BF16 or F64")
-        out[key] = np.frombuffer(bytes(view["data"]), dtype=np_dtype.newbyteorder("<")).astype(np_dtype).reshape(view["shape"])
-    return out
+        with SafetensorsFile(weights_file) as f:
+            for key in f.keys():
+                dtype = f.info(key).dtype
+                if dtype not in _FLOAT_DTYPES:
+                    raise AdapterFormatError(
+                        f"{weights_file}: tensor {key!r} has dtype {dtype}; expected F32, F16, BF16 or F64")
+            return {key: f.get(key, copy=True) for key in f.keys()}
+    except AdapterFormatError:
+        raise
+    except CheckpointError as e:  # the message names the file (and the tensor)
+        raise AdapterFormatError(f"not a valid safetensors file: {e}") from e
 
 
 __all__ = ["save_peft_adapter", "load_peft_adapter", "AdapterFormatError", "CONFIG_NAME", "WEIGHTS_NAME"]

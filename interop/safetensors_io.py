@@ -14,9 +14,16 @@ the tensor.
 Writing produces byte-for-byte what ``safetensors.numpy.save_file`` writes (tensors laid out by
 dtype, widest first, then by name; compact JSON header padded with spaces to a multiple of 8),
 to a temporary name in the same directory, then ``os.replace`` (interop.atomic_io).
+:func:`serialize` / :func:`deserialize` do the same in memory.
+
+This is the project's one safetensors reader and writer: bitsandbytes checkpoints, PEFT adapters
+(:mod:`interop.peft_adapter`) and training checkpoints (:mod:`jqlora.train.checkpoint`) all go
+through it. The ``safetensors`` package is used only by the tests, as the oracle these files
+must match.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -112,22 +119,33 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _header_length(path, first8: bytes, size: int) -> int:
+    """The header length N from the file's first 8 bytes, checked against the file size."""
+    if size < 8:
+        raise _err(path, f"file is {size} bytes, too short for the 8-byte header length (truncated?)")
+    n = int.from_bytes(first8, "little")
+    if n > size - 8:
+        raise _err(path, f"header length {n} runs past the end of the file ({size} bytes; truncated or corrupt)")
+    if n > MAX_HEADER_BYTES:
+        raise _err(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    return n
+
+
 def read_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate a safetensors header; returns ({name: TensorInfo}, metadata)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise _err(path, f"file is {size} bytes, too short for the 8-byte header length (truncated?)")
-            n = int.from_bytes(f.read(8), "little")
-            if n > size - 8:
-                raise _err(path, f"header length {n} runs past the end of the file ({size} bytes; truncated or corrupt)")
-            if n > MAX_HEADER_BYTES:
-                raise _err(path, f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            n = _header_length(path, f.read(8), size)
             raw = f.read(n)
     except OSError as e:
         raise _err(path, f"cannot read: {e}") from e
+    return _parse_header(path, raw, 8 + n, size - 8 - n)
+
+
+def _parse_header(path, raw: bytes, data_start: int, data_len: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Validate header bytes `raw` whose data section is [data_start, data_start + data_len)."""
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as e:
@@ -138,8 +156,6 @@ def read_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise _err(path, "__metadata__ must map strings to strings")
 
-    data_start = 8 + n
-    data_len = size - data_start
     infos: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if not isinstance(entry, dict):
@@ -331,6 +347,24 @@ def open_checkpoint(path) -> Checkpoint:
     return Checkpoint(list(shards.values()), where, path, index)
 
 
+def deserialize(blob: bytes, path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Parse and validate a whole safetensors file held in memory, with the same checks as
+    :func:`read_header`; `path` only names the file in errors.
+
+    For callers that must check the exact bytes first (a checksum) and then read those same
+    bytes. Returns ({name: owned numpy array}, metadata)."""
+    path = Path(path)
+    n = _header_length(path, bytes(blob[:8]), len(blob))
+    infos, metadata = _parse_header(path, bytes(blob[8: 8 + n]), 8 + n, len(blob) - 8 - n)
+    arrays = {}
+    for name, info in infos.items():
+        dt = info.np_dtype
+        count = math.prod(info.shape)
+        arrays[name] = (np.frombuffer(blob, dtype=dt, count=count, offset=info.start).reshape(info.shape).copy()
+                        if count else np.zeros(info.shape, dt))
+    return arrays, metadata
+
+
 # --------------------------------------------------------------------------------------------
 # writing
 
@@ -399,6 +433,19 @@ def _header_bytes(items, metadata) -> bytes:
     return raw + b" " * (-len(raw) % 8)
 
 
+def _write_items(f, items, header: bytes) -> None:
+    f.write(len(header).to_bytes(8, "little"))
+    f.write(header)
+    for name, x, _, shape, nbytes in items:
+        if not nbytes:
+            continue
+        arr = _as_numpy(x)  # one tensor on the host at a time
+        if arr.shape != shape or arr.nbytes != nbytes:
+            raise ValueError(f"tensor {name!r} changed shape while being written")
+        f.write(arr.reshape(-1).view(np.uint8).data)
+        del arr
+
+
 def write_safetensors(path, tensors: Mapping[str, object], metadata: Mapping[str, str] | None = None) -> Path:
     """Write `tensors` (numpy arrays, jax arrays or LazyArray) to `path` atomically; each is
     brought to the host only while it is written. Returns the path."""
@@ -406,17 +453,17 @@ def write_safetensors(path, tensors: Mapping[str, object], metadata: Mapping[str
     items = _layout(tensors)
     header = _header_bytes(items, metadata)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(len(header).to_bytes(8, "little"))
-        f.write(header)
-        for name, x, _, shape, nbytes in items:
-            if not nbytes:
-                continue
-            arr = _as_numpy(x)  # one tensor on the host at a time
-            if arr.shape != shape or arr.nbytes != nbytes:
-                raise ValueError(f"tensor {name!r} changed shape while being written")
-            f.write(arr.reshape(-1).view(np.uint8).data)
-            del arr
+        _write_items(f, items, header)
     return path
+
+
+def serialize(tensors: Mapping[str, object], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The bytes :func:`write_safetensors` would write, in memory (for callers that checksum
+    them before writing)."""
+    items = _layout(tensors)
+    buf = io.BytesIO()
+    _write_items(buf, items, _header_bytes(items, metadata))
+    return buf.getvalue()
 
 
 def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int,

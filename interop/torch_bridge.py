@@ -22,7 +22,7 @@ bitsandbytes' own CPU eval-mode repacking assigns new tensors (``weight.data = .
 not write into the shared buffer.
 
 A Linear4bit that already ran an eval-mode forward on an AVX512-BF16 CPU holds its weight in
-bitsandbytes' private CPU layout, with absmax rounded to bf16 (BNB_FORMAT.md §8.5); that cannot be
+bitsandbytes' private CPU layout, with absmax rounded to bf16 (docs/bnb_format.md §8.5); that cannot be
 turned back into the checkpoint format exactly, so from_torch raises ValueError for it.
 """
 from __future__ import annotations

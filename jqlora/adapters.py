@@ -8,17 +8,20 @@ module only maps it onto `jqlora.lora.LoraConfig` and a model's LoRA layers:
 * `load_adapter(path)`  -> (LoraConfig, {module: {"lora_A", "lora_B"}}, adapter_config)
 * `attach_adapter(model, params)`  set a model's LoRA weights (strict: every module must match)
 * `load_model_with_adapter(model_path, adapter_dir, ...)`  load_causal_lm + the adapter
+* `import_adapter(adapter_dir, model_path)`  check an adapter against a model (`jqlora import-peft`)
 """
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from jqlora.lora import LoraConfig, lora_params_by_module, named_linears, set_lora_params
 
 
 class AdapterMismatchError(ValueError):
-    """A PEFT adapter that does not fit the model (unknown module, wrong shape, unsupported option)."""
+    """A PEFT adapter that does not fit the model (unknown module, wrong shape, unsupported option),
+    or that names no local base model to apply it to."""
 
 
 def lora_config_from_peft(cfg: Mapping[str, Any], where: str = "adapter_config.json") -> LoraConfig:
@@ -107,5 +110,70 @@ def load_model_with_adapter(model_path, adapter_dir=None, *, compute_dtype=None,
     return model, report, cfg
 
 
+def import_adapter(adapter, model_path=None, *, tokens: int = 16, dtype: str = "float32") -> dict:
+    """Check that a PEFT adapter applies to a model and measure what it does (`jqlora import-peft`).
+
+    Loads the model with the adapter (strict, see `attach_adapter`) and without it, runs both on
+    the same random tokens and compares the logits.
+
+    Args:
+      adapter: the PEFT adapter directory.
+      model_path: the base checkpoint (None: the adapter's base_model_name_or_path, which must be
+        a local directory).
+      tokens: random tokens per row (2 rows) for the logits comparison.
+      dtype: compute dtype name ("float32", "bfloat16", "float16").
+
+    Returns:
+      A report: adapter, model, rank, alpha, use_rslora, scale, dropout, target_modules, matched,
+      untouched, lora_params, zero_B_modules (modules whose lora_B is all zero: no effect),
+      logits_max_abs_change, logits_max_abs, tokens_shape.
+
+    Raises:
+      interop.peft_adapter.AdapterFormatError: no such adapter directory, or a malformed adapter.
+      AdapterMismatchError: no model to apply it to, or the adapter does not fit the model.
+    """
+    from interop.peft_adapter import AdapterFormatError
+
+    adapter = Path(adapter)
+    if not adapter.is_dir():
+        raise AdapterFormatError(f"{adapter}: no such adapter directory")
+    from jqlora._util import jnp_dtype, quiet_third_party
+
+    quiet_third_party()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jqlora import models
+    from jqlora.lora.linear import lora_scale
+    from jqlora.train import frozen_jit
+
+    lora_cfg, params, raw = load_adapter(adapter)
+    if model_path is None:
+        base = raw.get("base_model_name_or_path")
+        if not base or not Path(base).is_dir():
+            raise AdapterMismatchError(f"{adapter}: pass --model (adapter_config's base_model_name_or_path {base!r} "
+                                       "is not a local directory)")
+        model_path = base
+    cdt = jnp_dtype(dtype)
+    model, report, _ = load_model_with_adapter(model_path, adapter, compute_dtype=cdt)
+    base_model = models.load_causal_lm(model_path, compute_dtype=cdt)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, max(1, tokens)))
+    fwd = frozen_jit(lambda m, x: m(x))  # the weights stay inputs only (no output copy)
+    model.eval()
+    y1 = np.asarray(jax.device_get(fwd(model, jnp.asarray(ids)).astype(jnp.float32)))
+    y0 = np.asarray(jax.device_get(fwd(base_model, jnp.asarray(ids)).astype(jnp.float32)))
+    delta = float(np.max(np.abs(y1 - y0)))
+    b_zero = sorted(m for m, p in params.items() if not np.any(np.asarray(p["lora_B"], np.float32)))
+    targets = lora_cfg.target_modules
+    return dict(
+        adapter=str(adapter), model=str(model_path), rank=lora_cfg.rank, alpha=lora_cfg.alpha,
+        use_rslora=lora_cfg.use_rslora, scale=lora_scale(lora_cfg.rank, lora_cfg.alpha, lora_cfg.use_rslora),
+        dropout=lora_cfg.dropout, target_modules=targets if isinstance(targets, str) else list(targets),
+        matched=report["matched"], untouched=report["untouched"], lora_params=report["lora_params"],
+        zero_B_modules=b_zero, logits_max_abs_change=delta, logits_max_abs=float(np.max(np.abs(y0))),
+        tokens_shape=list(ids.shape))
+
+
 __all__ = ["AdapterMismatchError", "lora_config_from_peft", "save_adapter", "load_adapter", "attach_adapter",
-           "load_model_with_adapter"]
+           "load_model_with_adapter", "import_adapter"]

@@ -102,7 +102,7 @@ def torch_states(path, ids: np.ndarray, *, adapter=None, dtype: str = "float32",
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jqlora.cli._common import quiet_third_party
+    from jqlora._util import quiet_third_party
 
     quiet_third_party()
     import bitsandbytes as bnb

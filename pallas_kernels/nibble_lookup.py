@@ -1,10 +1,9 @@
 """16-entry code lookup in registers with byte permutes (PTX `prmt`), no memory gather.
 
 The small-M 4-bit kernels decode each weight by gathering `code[q]` from a 16-entry table (in
-device memory, L1-resident). ncu on the block-scaled dot (H200, M = 16, 4096x14336) counts 7.6
-instructions per weight, about 5 of them address arithmetic, the gather and nibble handling,
-and the warps stall on the gathers' latency (long scoreboard). This module replaces the gather
-with in-register arithmetic on packed bytes:
+device memory, L1-resident): most of their instructions per weight are address arithmetic,
+the gather and nibble handling, and the warps stall on the gathers' latency. This module
+replaces the gather with in-register arithmetic on packed bytes:
 
 A 16-bit code table (x's dtype: bf16 or fp16) is split into byte planes, low bytes L[0..15] and
 high bytes H[0..15], each held as four 32-bit words (`table_words`). `prmt.b32 d, a, b, s`
@@ -14,9 +13,9 @@ on each index's bit 3 merges the two. Two more prmt interleave the low and high 
 two words of 16-bit pairs. One 32-bit word of packed weights (4 bytes, 8 nibbles) costs 26
 instructions: 3.25 per weight, with no load.
 
-Measured (H200, session 8): in the block-scaled tensor-core kernel at M = 16, 15-20% less time
-and bitwise the same output as the gather; in the GEMV no change (its fp32 multiply-add per
-weight needs the code widened to fp32, and the GEMV was not bound by the gather alone).
+It gives bitwise the same codes as the gather. It pays in the block-scaled tensor-core kernel,
+not in the GEMV, whose fp32 multiply-add per weight needs the code widened to fp32 and which is
+not bound by the gather alone (docs/kernels.md).
 
 The program is written once (`_PROGRAMS`, one per nibble half) and turned into PTX (`_ptx`,
 for `plgpu.elementwise_inline_asm` with pack = 4: four uint8 elements per 32-bit register) and
@@ -219,11 +218,10 @@ def lookup(p, words, dtype, half: str, *, interpret: bool):
     interpret mode: `emulate_lookup`. One half per call, so a kernel can use each tile before
     making the next (a tensor-core operand tile lives in shared memory).
 
-    Measured limit (ncu, H200, s8-2): ptxas keeps 4 of the 8 table words in uniform registers
-    and copies each back with an IMAD.U32 before every prmt that reads it as its first source
-    (prmt takes that one only from a regular register): about 1 instruction per weight. Making
-    the words look per-thread (or'ing in `%laneid >> 5`, s8-4) changed nothing: the same SASS
-    instruction count, so ptxas folds it."""
+    Known limit: ptxas keeps 4 of the 8 table words in uniform registers and copies each back
+    with an IMAD.U32 before every prmt that reads it as its first source (prmt takes that one
+    only from a regular register): about 1 instruction per weight. Making the words look
+    per-thread (or'ing in `%laneid >> 5`) does not help: ptxas folds it."""
     if p.dtype != jnp.uint8:
         raise ValueError(f"nibble_lookup.lookup: packed tile must be uint8, got {p.dtype}")
     if half not in _HALVES:

@@ -1,7 +1,23 @@
 """Named kernel variants: one place that lists every kernel, so tests and benchmarks cover all.
 
-A new variant is one file (kernel + jnp reference) plus one entry in `ALL_VARIANTS`.
-The tuple is immutable; nothing registers itself at import time.
+A new variant is one kernel module (kernel + jnp reference + `VARIANTS`) plus one line in
+`_MODULES`. The tuple is immutable; nothing registers itself at import time. The conformance
+suite (tests/test_variants.py) runs every registered variant against its reference, so a new
+registration is tested with no list to edit.
+
+Each `Variant` says what it computes (`op`, `reference`, `numerics`), where it runs (`platform`,
+`interpret`), which shapes it takes (`supports`), how it is configured (`config_type`,
+`default_config`) and whether `auto` runs it (`status`).
+
+Config contract (what a tuning tool relies on):
+- `config_type` is a frozen dataclass: `cfg = v.default_config(m, n, k, blocksize)` is an
+  instance of it, the config the kernel uses when called without one;
+  `dataclasses.replace(cfg, **overrides)` is another, run as `v.fn(..., config=cfg)`.
+- `config_type is None`: the variant is configured by keyword arguments (block sizes, warps).
+  `default_config(m, n, k, blocksize)`, where given, returns the dict of those keywords the kernel
+  uses by default at that shape (keywords it leaves out are derived from the ones it lists);
+  `v.fn(..., **{**v.default_config(m, n, k, bs), **overrides})` runs an override. Where
+  `default_config` is None the variant takes no tuning keywords, or derives them all inline.
 """
 from __future__ import annotations
 
@@ -21,6 +37,19 @@ from typing import Callable
 # with absmax the uint8 (N,K//bs) codes of double-quantized scales, and de-nests them itself.
 PLATFORMS = ("gpu", "sm90")
 OPS = ("matmul_4bit", "matmul_4bit_t", "dequantize_4bit", "matmul_int8", "matmul_int8_t", "llm_int8")
+# What a variant computes, by the weight it effectively multiplies (docs/numerics.md); products
+# are accumulated in fp32 and the output rounded once to out_dtype in every class:
+NUMERICS = (
+    "rounded_weight",       # round(code * absmax) to x's dtype: bitsandbytes' weight, the jnp path's
+    "fp32_weight",          # code * absmax in fp32, never rounded; x widened to fp32
+    "rounded_codes",        # round(code) * absmax: codes rounded to x's dtype, the scale in fp32
+    "rounded_codes_twice",  # round(round(code) * absmax): rounded codes, the scaled weight rounded
+    "int8_weight_only",     # x @ (CB * SCB/127).T in x's dtype: bitsandbytes' weight-only int8
+    "llm_int8",             # bitsandbytes LLM.int8(): int8 x int8 GEMM + fp16 outlier columns
+)
+# default: a variant `auto` runs (jqlora.ops.dispatch); alternative: useful numerics or speed,
+# selected by `variant=`; experimental: kept for research, slower in every measured cell.
+STATUSES = ("default", "alternative", "experimental")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +65,12 @@ class Variant:
     accepts_nested: bool = False  # takes double-quantized scales via `nested=` (see above)
     platform: str = "gpu"  # "gpu": Triton lowering, any CUDA GPU; "sm90": Mosaic GPU, Hopper only
     interpret: bool = True  # runs under Pallas interpret mode on CPU (False: GPU only)
+    numerics: str = ""  # one of NUMERICS: the weight this variant multiplies (required)
+    status: str = ""  # one of STATUSES: whether `auto` runs it (required)
+    config_type: type | None = None  # the frozen config dataclass `fn(config=)` takes, or None
+    # (m, n, k, blocksize) -> the config the kernel uses by default: a `config_type` instance,
+    # or with config_type None a dict of keyword arguments (module docstring); None: no tuning
+    default_config: Callable[[int, int, int, int], object] | None = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -43,6 +78,15 @@ class Variant:
         if self.platform not in PLATFORMS:
             raise ValueError(f"variant {self.name!r}: unknown platform {self.platform!r}; "
                              f"expected one of {PLATFORMS}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"variant {self.name!r}: unknown numerics {self.numerics!r}; "
+                             f"expected one of {NUMERICS}")
+        if self.status not in STATUSES:
+            raise ValueError(f"variant {self.name!r}: unknown status {self.status!r}; "
+                             f"expected one of {STATUSES}")
+        if self.config_type is not None and not dataclasses.is_dataclass(self.config_type):
+            raise ValueError(f"variant {self.name!r}: config_type must be a dataclass or None, "
+                             f"got {self.config_type!r}")
 
 
 # One entry per kernel module; a module lists its own variants in `VARIANTS`.
@@ -79,12 +123,19 @@ def all_variants() -> tuple[Variant, ...]:
 
 
 def for_op(op: str) -> tuple[Variant, ...]:
+    """The registered variants of one op (one of OPS), in registry order."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     return tuple(v for v in all_variants() if v.op == op)
 
 
+def defaults() -> tuple[Variant, ...]:
+    """The variants `auto` runs (status "default"), in registry order."""
+    return tuple(v for v in all_variants() if v.status == "default")
+
+
 def get(name: str) -> Variant:
+    """The variant called `name`; KeyError naming the known variants otherwise."""
     for v in all_variants():
         if v.name == name:
             return v

@@ -110,6 +110,50 @@ def hashes(f, args) -> list[str]:
     return [_short(t) for t in texts + mosaic] + ["hlo:" + _short(_strip_hlo(lowered.as_text()))]
 
 
+def lowered_modules(f, args) -> tuple[list[str], list[str]]:
+    """(Triton modules, Mosaic GPU modules) that `f(*args)` lowers to for CUDA sm90, as text."""
+    with captured_triton_modules() as texts, captured_mosaic_modules() as mosaic, \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    return texts, mosaic
+
+
+def module_hashes(f, args) -> list[str]:
+    """One hash per kernel module lowered by `f(*args)` for sm90 (no StableHLO hash)."""
+    return hashes(f, args)[:-1]
+
+
+def fingerprints(fn, m: int, kw: dict, n: int = 256, k: int = 1024) -> list[str]:
+    """Module hashes of a forward 4-bit kernel `fn(x, packed, absmax, code, blocksize=64,
+    **kw)` on an (n, k) weight and M rows of bf16 x: double-quantized scales (de-nested by
+    the kernel) first, then fp32 scales."""
+    s = jax.ShapeDtypeStruct
+    x, packed, code = s((m, k), jnp.bfloat16), s((n, k // 2), jnp.uint8), s((16,), jnp.float32)
+    nested = (s((n * k // BLOCKSIZE // 256,), jnp.float32), s((256,), jnp.float32),
+              s((), jnp.float32))
+
+    def with_nested(x, p, a, c, na, nc, o):
+        return fn(x, p, a, c, blocksize=BLOCKSIZE, nested=(na, nc, o), interpret=False, **kw)
+
+    def flat(x, p, a, c):
+        return fn(x, p, a, c, blocksize=BLOCKSIZE, interpret=False, **kw)
+
+    return (module_hashes(with_nested, (x, packed, s((n, k // BLOCKSIZE), jnp.uint8), code,
+                                        *nested))
+            + module_hashes(flat, (x, packed, s((n, k // BLOCKSIZE), jnp.float32), code)))
+
+
+def fingerprints_t(fn, m: int, kw: dict, n: int = 256, k: int = 1024) -> list[str]:
+    """Module hashes of a backward 4-bit kernel `fn(dy, packed, absmax, code, blocksize=64,
+    **kw)`, dy (M, n) bf16, fp32 scales."""
+    s = jax.ShapeDtypeStruct
+    args = (s((m, n), jnp.bfloat16), s((n, k // 2), jnp.uint8),
+            s((n, k // BLOCKSIZE), jnp.float32), s((16,), jnp.float32))
+    return module_hashes(
+        lambda d, p, a, c: fn(d, p, a, c, blocksize=BLOCKSIZE, interpret=False, **kw), args)
+
+
 def _args(op: str, m: int, n: int, k: int):
     """Abstract operands of `op` (see pallas_kernels.registry for the signatures), and the
     keyword arguments, for an M-row product with an (N, K) weight."""

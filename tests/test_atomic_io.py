@@ -1,13 +1,14 @@
 """interop.atomic_io: temp name, fsync, rename; nothing half-written, no temp litter."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 import interop.atomic_io as aio
 from interop.atomic_io import (atomic_directory, atomic_path, fsync_dir, write_bytes_atomic,
-                               write_text_atomic)
+                               write_json_atomic, write_text_atomic)
 
 
 class Boom(Exception):
@@ -25,6 +26,19 @@ def test_write_bytes_and_text(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a.bin", "b.txt"]
     fsync_dir(tmp_path)
     fsync_dir(tmp_path / "missing")  # no-op, no error
+
+
+def test_write_json_creates_parent_sorts_keys_and_stringifies(tmp_path):
+    from pathlib import PurePosixPath
+
+    p = tmp_path / "new" / "run.json"
+    assert write_json_atomic(p, {"b": 1, "a": [PurePosixPath("/x/y"), None]}) == p
+    assert p.read_text() == '{\n  "a": [\n    "/x/y",\n    null\n  ],\n  "b": 1\n}\n'
+    with pytest.raises(ValueError, match="Circular"):  # nothing half-written on a failure
+        loop = {}
+        loop["self"] = loop
+        write_json_atomic(p, loop)
+    assert json.loads(p.read_text())["b"] == 1 and os.listdir(p.parent) == ["run.json"]
 
 
 def test_atomic_path_failure_keeps_previous_file(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The `jqlora` CLI: help texts, inspect, crosscheck, train -> export-peft -> import-peft, generate,
-bench on CPU, and a fast smoke run of the demo pipeline. Commands run in-process through
-`jqlora.cli.main(argv)` (the console script calls the same function)."""
+bench, explain-kernel, the library functions behind the commands, and a fast smoke run of the demo
+pipeline. Commands run in-process through `jqlora.cli.main(argv)` (the console script calls the
+same function)."""
 from __future__ import annotations
 
 import json
@@ -247,6 +248,141 @@ def test_bench_on_cpu_exits_2(capsys):
         pytest.skip("GPU present: the benchmark would really run")
     rc, _, err = run_cli(capsys, "bench")
     assert rc == 2 and "no GPU" in err
+
+
+def _fake_gpu(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+def test_bench_without_benchmarks_package_says_how(monkeypatch, capsys):
+    _fake_gpu(monkeypatch)
+    monkeypatch.setitem(sys.modules, "benchmarks", None)  # as in an installed package: not importable
+    rc, out, err = run_cli(capsys, "bench", "--", "--ms", "1")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "not part of the installed jqlora package" in err
+    assert "`make bench`" in err and "`python -m benchmarks.run ...`" in err
+
+
+def test_bench_passes_its_arguments_to_benchmarks_run(monkeypatch, capsys):
+    import importlib.machinery
+    import types
+
+    _fake_gpu(monkeypatch)
+    seen = []
+    pkg, mod = types.ModuleType("benchmarks"), types.ModuleType("benchmarks.run")
+    pkg.__path__ = []
+    pkg.__spec__ = importlib.machinery.ModuleSpec("benchmarks", None, is_package=True)
+    mod.__spec__ = importlib.machinery.ModuleSpec("benchmarks.run", None)
+    mod.main = lambda argv: seen.append(argv) or 3
+    pkg.run = mod
+    monkeypatch.setitem(sys.modules, "benchmarks", pkg)
+    monkeypatch.setitem(sys.modules, "benchmarks.run", mod)
+    rc, _, err = run_cli(capsys, "bench", "--", "--ms", "1,16")
+    assert rc == 3 and seen == [["--ms", "1,16"]], err
+
+
+# ------------------------------------------------------------------------------------ explain-kernel
+def test_explain_kernel_prints_the_library_explanation(capsys):
+    import jax.numpy as jnp
+
+    from jqlora.ops.dispatch import Device, explain
+    from pallas_kernels import registry
+
+    want = explain("nf4", 16, 4096, 4096, blocksize=64, dtype=jnp.bfloat16, device=Device(platform="gpu", sm90=True),
+                   backend="auto")
+    args = ("explain-kernel", "--weight", "nf4", "--m", 16, "--n", 4096, "--k", 4096, "--device", "hopper")
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    assert out == str(want) + "\n" and len(want.rows) >= 1
+    rc, out, err = run_cli(capsys, *args, "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep == {"backend": want.plan.backend, "fwd": want.plan.fwd, "bwd": want.plan.bwd,
+                   "rows": [{"product": p, "variant": v, "verdict": x} for p, v, x in want.rows]}
+    assert rep["backend"] == "pallas"
+    names = {v.name for v in registry.all_variants()}
+    assert rep["fwd"] in names and rep["bwd"] in names
+    # auto computes on the CPU with XLA, and LLM.int8 numerics use XLA on a GPU too
+    for weight, device in (("nf4", "cpu"), ("llm_int8", "hopper")):
+        rc, out, err = run_cli(capsys, "explain-kernel", "--weight", weight, "--m", 8, "--n", 256, "--k", 256,
+                               "--dtype", "float16", "--device", device, "--json")
+        assert rc == 0, err
+        rep = json.loads(out)
+        assert (rep["backend"], rep["fwd"], rep["bwd"]) == ("xla", None, None), (weight, device)
+
+
+def test_explain_kernel_bad_values_exit_2_with_one_line(capsys):
+    ok = {"--weight": "nf4", "--m": "1", "--n": "64", "--k": "64"}
+    for flag, value, msg in (("--weight", "nf5", "'nf5' is not one of nf4, fp4, int8, llm_int8"),
+                             ("--m", "0", "expected a positive integer, got 0"),
+                             ("--k", "x", "expected a positive integer, got 'x'"),
+                             ("--blocksize", "-64", "expected a positive integer"),
+                             ("--dtype", "float64", "not one of bfloat16, float16, float32"),
+                             ("--device", "tpu", "not one of current, hopper, gpu, cpu"),
+                             ("--backend", "triton", "not one of auto, pallas, interpret, xla")):
+        argv = [a for kv in {**ok, flag: value}.items() for a in kv]
+        rc, out, err = run_cli(capsys, "explain-kernel", *argv)
+        assert rc == 2 and out == "", flag
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"jqlora explain-kernel: error: {flag}: "), (flag, err)
+        assert msg in err, (flag, err)
+
+
+# ------------------------------------------------------------------- library forms of the commands
+def test_inspect_checkpoint_library(nf4_ckpt, tmp_path):
+    from interop import CheckpointError
+    from interop.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(nf4_ckpt / "model.safetensors")  # a file: its directory is read
+    t = info["totals"]
+    assert info["path"] == str(nf4_ckpt) and info["model_type"] == "llama"
+    assert info["quantization"]["bnb_4bit_quant_type"] == "nf4"
+    assert t["by_kind"]["nf4"] == 14 and t["entries"] == len(info["tensors"]) == sum(t["by_kind"].values())
+    assert t["file_bytes"] == (nf4_ckpt / "model.safetensors").stat().st_size
+    assert t["total_bytes"] == t["quantized_bytes"] + t["plain_bytes"] < t["file_bytes"]
+    with pytest.raises(CheckpointError, match="no such checkpoint file or directory"):
+        inspect_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=str(tmp_path / "empty")):
+        inspect_checkpoint(tmp_path / "empty")
+
+
+def test_export_adapter_library(trained, tmp_path):
+    from interop import load_peft_adapter
+    from jqlora.runs import RunError, export_adapter
+
+    step3 = trained / "checkpoints" / "step_00000003"
+    r = export_adapter(step3, tmp_path / "a")  # a step directory: the run record is two levels up
+    assert r == dict(checkpoint=str(step3), step=3, adapter=str(tmp_path / "a"), modules=6,
+                     model=json.loads((trained / "jqlora_run.json").read_text())["model"], rank=4, alpha=8.0)
+    got, cfg = load_peft_adapter(tmp_path / "a")
+    want, _ = load_peft_adapter(trained / "adapter")
+    assert cfg["r"] == 4 and set(got) == set(want)
+    for m in want:
+        np.testing.assert_array_equal(got[m]["lora_B"], want[m]["lora_B"])
+    with pytest.raises(RunError, match=r"no checkpoint for step 7 \(have \[2, 3\]\)"):
+        export_adapter(trained, tmp_path / "b", step=7)
+    assert not (tmp_path / "b").exists()
+
+
+def test_import_adapter_library(trained, nf4_ckpt, tmp_path):
+    from interop.peft_adapter import AdapterFormatError
+    from jqlora.adapters import AdapterMismatchError, import_adapter
+
+    r = import_adapter(trained / "adapter", tokens=4)  # the model: the adapter's base_model_name_or_path
+    assert r["model"] == str(nf4_ckpt) and r["tokens_shape"] == [2, 4]
+    assert len(r["matched"]) == 6 and r["zero_B_modules"] == [] and r["logits_max_abs_change"] > 0
+    assert r["scale"] == pytest.approx(8 / 4)
+    with pytest.raises(AdapterFormatError, match="no such adapter directory"):
+        import_adapter(tmp_path / "nope")
+    hub = Path(shutil.copytree(trained / "adapter", tmp_path / "hub"))
+    c = json.loads((hub / "adapter_config.json").read_text())
+    c["base_model_name_or_path"] = "org/not-a-local-dir"
+    (hub / "adapter_config.json").write_text(json.dumps(c))
+    with pytest.raises(AdapterMismatchError, match="pass --model"):
+        import_adapter(hub)
 
 
 # ---------------------------------------------------------------------------------------------- demo

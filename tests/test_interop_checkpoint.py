@@ -321,7 +321,7 @@ def test_every_blocksize_saved_exactly_as_bitsandbytes_writes(tmp_path, blocksiz
 
 
 # ------------------------------------------------------------------------------------------
-# transposed weights (DESIGN invariant 4)
+# transposed weights (docs/design.md, invariant 4)
 
 def _with_gate_replaced(loaded, tmp_path, w_fn, name="nf4"):
     params, config = loaded(name)
@@ -679,10 +679,22 @@ def test_quantization_config_derived_from_params(loaded, tmp_path):
 
 
 def test_public_api():
-    for name in ("load_bnb_checkpoint", "save_bnb_checkpoint", "from_torch", "from_torch_module", "to_torch",
-                 "CheckpointError"):
-        assert hasattr(interop, name), name
+    for name in ("load_bnb_checkpoint", "save_bnb_checkpoint", "load_peft_adapter", "save_peft_adapter",
+                 "from_torch", "from_torch_module", "to_torch", "to_torch_module", "CheckpointError",
+                 "open_checkpoint", "write_safetensors"):
+        assert hasattr(interop, name) and name in interop.__all__, name
     assert issubclass(CheckpointError, ValueError)
+
+
+def test_import_interop_loads_no_torch():
+    """The torch bridge imports torch and bitsandbytes only when one of its functions runs."""
+    import subprocess
+    import sys
+
+    code = "import sys, interop; print(sorted(m for m in ('torch', 'bitsandbytes', 'safetensors') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 
 
 def test_non_bitsandbytes_quantized_checkpoint_is_rejected(tmp_path):

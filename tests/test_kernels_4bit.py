@@ -18,13 +18,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.triton import dequantize_4bit as dq_mod
-from pallas_kernels.triton import matmul_4bit_block_dot as bd_mod
-from pallas_kernels.triton import matmul_4bit_decoded_dot as dd_mod
-from pallas_kernels.triton import matmul_4bit as mm_mod
-from pallas_kernels.triton import matmul_4bit_gemv as gv_mod
-from pallas_kernels.triton import matmul_4bit_small_m as sm_mod
-from pallas_kernels.triton import matmul_4bit_t as t_mod
 from pallas_kernels._compat import auto_interpret, cdiv, resolve_interpret
 from pallas_kernels.triton.dequantize_4bit import (
     denest_absmax_reference, dequantize_4bit, dequantize_4bit_reference)
@@ -36,6 +29,7 @@ from pallas_kernels.triton.matmul_4bit_gemv import (
 from pallas_kernels.triton.matmul_4bit_small_m import matmul_4bit_small_m, matmul_4bit_small_m_reference
 from pallas_kernels.triton.matmul_4bit_t import (
     matmul_4bit_t, matmul_4bit_t_dequant_dot, matmul_4bit_t_reference)
+from pallas_kernels import registry
 from pallas_kernels.registry import OPS, Variant
 
 NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -50,8 +44,10 @@ TABLES = {"nf4": NF4, "fp4": FP4}
 INTERPRET = jax.default_backend() != "gpu"
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
-MY_VARIANTS = (dq_mod.VARIANTS + mm_mod.VARIANTS + t_mod.VARIANTS + sm_mod.VARIANTS
-               + gv_mod.VARIANTS + bd_mod.VARIANTS + dd_mod.VARIANTS)
+# every 4-bit variant of the Triton lowering (the ones interpret mode runs), from the registry
+TRITON_4BIT = tuple(v for v in registry.all_variants()
+                    if v.platform == "gpu" and v.op in ("dequantize_4bit", "matmul_4bit",
+                                                        "matmul_4bit_t"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -600,7 +596,7 @@ def test_prmt_lookup_bad_arguments():
 # ------------------------------------------------------------------------------------------
 @settings(max_examples=8, deadline=None)
 @given(
-    name=st.sampled_from([v.name for v in MY_VARIANTS]),
+    name=st.sampled_from([v.name for v in TRITON_4BIT]),
     m=st.integers(1, 70), n=st.integers(1, 80), k_blocks=st.integers(1, 3),
     bs=st.sampled_from([32, 64, 128]), dt=st.sampled_from(sorted(DTYPES)),
     table=st.sampled_from(sorted(TABLES)), seed=st.integers(0, 2**16),
@@ -612,7 +608,7 @@ def test_property_random_shapes(name, m, n, k_blocks, bs, dt, table, seed):
     packed, absmax = make_weight(seed, n, k, bs)
     code = jnp.asarray(TABLES[table])
     w_c = dequantize_4bit_reference(packed, absmax, code, blocksize=bs, out_dtype=dtype)
-    for v in MY_VARIANTS:
+    for v in TRITON_4BIT:
         if v.name != name or not v.supports(m, n, k, bs):
             continue
         if v.op == "dequantize_4bit":
@@ -635,11 +631,11 @@ def test_property_random_shapes(name, m, n, k_blocks, bs, dt, table, seed):
 # registry entries, shape support, errors, helpers
 # ------------------------------------------------------------------------------------------
 def test_variants_registered():
-    by_name = {v.name: v for v in MY_VARIANTS}
+    by_name = {v.name: v for v in TRITON_4BIT}
     assert {"dequant_tiled": "dequantize_4bit", "fused_tiled": "matmul_4bit",
             "fused_tiled_t": "matmul_4bit_t", "splitk_small_m": "matmul_4bit"}.items() <= {
         n: v.op for n, v in by_name.items()}.items()
-    for v in MY_VARIANTS:
+    for v in TRITON_4BIT:
         assert isinstance(v, Variant) and v.op in OPS and v.description
         assert v.supports(1, 64, 128, 64)
         assert not v.supports(1, 64, 127, 64)      # K odd
@@ -647,7 +643,7 @@ def test_variants_registered():
         assert not v.supports(1, 64, 96, 48)       # blocksize not a power of two
         assert not v.supports(1, 64, 32, 16)       # blocksize below 32
     assert by_name["splitk_small_m"].supports(64, 64, 128, 64)
-    assert {v.name for v in MY_VARIANTS if v.accepts_nested} == {
+    assert {v.name for v in TRITON_4BIT if v.accepts_nested} == {
         "splitk_small_m", "gemv_block_scaled", "gemv_block_scaled_prmt", "block_scaled_dot",
         "block_scaled_dot_rounded_codes", "block_scaled_dot_prmt", "decoded_dot_prmt",
         "decoded_dot_gather"}

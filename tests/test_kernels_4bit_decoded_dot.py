@@ -167,9 +167,9 @@ def test_lowers_to_triton(lower_for_triton, lookup):
 
 
 def test_triton_ir_fingerprints(lower_for_triton):
-    """benchmarks/ttir_fingerprint (how a refactor is shown not to change compiled code): one
+    """tests/ir_fingerprint (how a refactor is shown not to change compiled code): one
     hash per pallas_call, the same on a second lowering, different for another lookup."""
-    from benchmarks.ttir_fingerprint import fingerprints
+    from ir_fingerprint import fingerprints
 
     prmt = fingerprints(matmul_4bit_decoded_dot, 48, {})
     assert len(prmt) == 2 and all(len(h) == 16 for h in prmt)

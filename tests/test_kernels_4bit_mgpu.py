@@ -242,7 +242,7 @@ def test_default_config_is_valid_wherever_supported(m, n128, k64, log_bs):
 
 
 def test_default_config_follows_the_measured_choices():
-    """The configs the session-14 H100 sweeps measured fastest (module docstring)."""
+    """The configs measured fastest (`default_config`; evidence: docs/kernels.md)."""
     c = mm.default_config
     assert c(16, 4096, 4096, 64) == mm.Config(tile_m=16, tile_k=128, k_splits=4)
     assert c(64, 4096, 14336, 64) == mm.Config(tile_m=64, tile_k=128, k_splits=4)
@@ -252,7 +252,7 @@ def test_default_config_follows_the_measured_choices():
     assert c(256, 14336, 4096, 64) == mm.Config(tile_m=256, tile_k=64, k_splits=1)
     assert c(1024, 4096, 4096, 64) == mm.Config(tile_m=256, tile_k=64, k_splits=1)
     # K = 11008 (86 steps of 128): 4 splits need not divide them (22-step windows, 128 CTAs;
-    # before session 22 the splits had to divide, and 2 left 64 CTAs)
+    # dividing splits would leave 2, and 64 CTAs)
     assert c(64, 4096, 11008, 64) == mm.Config(tile_m=64, tile_k=128, k_splits=4)
     assert split_windows(86, 4)[-1] == (64, 66, 86)
     assert "without a step of its own" in mm._shape_problem(16, 256, 768, 64,
@@ -318,7 +318,7 @@ def test_compute_warpgroup_registers_fit_the_register_file(k_wgs, compute):
     """The `setmaxnreg` counts in the lowered kernel: memory warpgroup down to 40, compute
     warpgroups up to a count the launch allocation can grant (threads x launch registers,
     65536 / threads rounded down to 8): jax's own 112 for four compute warpgroups cannot be."""
-    from benchmarks.ttir_fingerprint import captured_mosaic_modules
+    from ir_fingerprint import captured_mosaic_modules
 
     cfg = mm.Config(tile_m=16, tile_k=128, k_wgs=k_wgs)
     with captured_mosaic_modules() as texts:
@@ -329,7 +329,7 @@ def test_compute_warpgroup_registers_fit_the_register_file(k_wgs, compute):
 
     assert (counts("increase"), counts("decrease")) == ([compute], [40])
     # the block launches every warpgroup the pipeline waits for (k_wgs = 2 with 3 warpgroups,
-    # 384 threads, hung the H100 in s16-1: barriers counting arrivals of 4 compute warpgroups)
+    # 384 threads, hangs the GPU: barriers count arrivals of 4 compute warpgroups)
     launched = {int(t) for text in texts
                 for t in re.findall(r"threads\([^)]*\) in \(%\w+ = %c(\d+)", text)}
     threads = 128 * (1 + 2 * k_wgs)
@@ -340,9 +340,9 @@ def test_compute_warpgroup_registers_fit_the_register_file(k_wgs, compute):
 
 
 def test_mosaic_module_fingerprints():
-    """benchmarks/ttir_fingerprint covers the Mosaic kernels: one module per call, stable across
+    """tests/ir_fingerprint covers the Mosaic kernels: one module per call, stable across
     lowerings, different for another config (how a refactor is shown not to change them)."""
-    from benchmarks.ttir_fingerprint import fingerprints, fingerprints_t
+    from ir_fingerprint import fingerprints, fingerprints_t
 
     one = fingerprints(mm.matmul_4bit_mgpu, 128, dict(config=mm.Config(tile_m=128)))
     assert len(one) == 2 and one[0] != one[1]  # scales de-nested by the kernel / fp32 scales
@@ -353,36 +353,36 @@ def test_mosaic_module_fingerprints():
 
 
 def test_auto_picks_the_mosaic_kernel_on_hopper(monkeypatch):
-    from jqlora.ops import backends
+    from jqlora.ops import dispatch
 
-    monkeypatch.setattr(backends, "on_gpu", lambda: True)
-    monkeypatch.setattr(backends, "mgpu_available", lambda: True)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "mgpu_available", lambda: True)
     w = jax.random.normal(jax.random.key(0), (256, 512)) * 0.1
     q = quant.quantize_4bit(w, "nf4", 64, True)
-    plan = lambda m, dtype="bfloat16": backends.choose_plan(q, m, "auto", dtype=dtype)
+    plan = lambda m, dtype="bfloat16": dispatch.choose_plan(q, m, "auto", dtype=dtype)
     assert plan(1, "float32").fwd == "gemv_block_scaled"  # the Hopper kernels take 16-bit x
     for m in (1, 2, 3, 16, 17, 32, 48):  # the pair-table MMA kernel up to six n8 token tiles
-        assert plan(m) == backends.Plan("pallas", "mgpu_mma_pair_table", "mgpu_decoded_wgmma_t")
+        assert plan(m) == dispatch.Plan("pallas", "mgpu_mma_pair_table", "mgpu_decoded_wgmma_t")
     assert plan(2, "float32").fwd == "gemv_block_scaled"
     for m in (49, 64, 65, 128):
-        assert plan(m) == backends.Plan("pallas", "mgpu_decoded_wgmma", "mgpu_decoded_wgmma_t")
+        assert plan(m) == dispatch.Plan("pallas", "mgpu_decoded_wgmma", "mgpu_decoded_wgmma_t")
         assert plan(m, "float16").fwd == "mgpu_decoded_wgmma"
     for m in (129, 1024):
-        assert plan(m) == backends.Plan("pallas", "mgpu_decoded_wgmma", "dequant_dot_t")
-    assert plan(1025) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")
-    assert plan(16, "float32") == backends.Plan("pallas", "block_scaled_dot_prmt",
+        assert plan(m) == dispatch.Plan("pallas", "mgpu_decoded_wgmma", "dequant_dot_t")
+    assert plan(1025) == dispatch.Plan("pallas", "dequant_dot", "dequant_dot_t")
+    assert plan(16, "float32") == dispatch.Plan("pallas", "block_scaled_dot_prmt",
                                                 "dequant_dot_t")  # 16-bit operands only
     assert plan(16, None).fwd == "block_scaled_dot_prmt"
     q100 = quant.quantize_4bit(w[:100], "nf4", 64, True)  # N not a multiple of 128
-    assert backends.choose_plan(q100, 16, "auto", dtype="bfloat16").fwd == "block_scaled_dot_prmt"
+    assert dispatch.choose_plan(q100, 16, "auto", dtype="bfloat16").fwd == "block_scaled_dot_prmt"
     q128 = quant.quantize_4bit(w[:128], "nf4", 64, True)  # N a multiple of 128, not of 256
-    assert backends.choose_plan(q128, 16, "auto", dtype="bfloat16").fwd == "mgpu_decoded_wgmma"
-    assert backends.choose_plan(q128, 2, "auto", dtype="bfloat16").fwd == "gemv_block_scaled"
-    monkeypatch.setattr(backends, "mgpu_available", lambda: False)
-    assert plan(128) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")
-    with pytest.raises(backends.BackendError, match="Hopper GPU only"):
-        backends.choose_plan(q, 128, "pallas", variant="mgpu_decoded_wgmma", dtype="bfloat16")
-    with pytest.raises(backends.BackendError, match="Hopper GPU only"):
+    assert dispatch.choose_plan(q128, 16, "auto", dtype="bfloat16").fwd == "mgpu_decoded_wgmma"
+    assert dispatch.choose_plan(q128, 2, "auto", dtype="bfloat16").fwd == "gemv_block_scaled"
+    monkeypatch.setattr(dispatch, "mgpu_available", lambda: False)
+    assert plan(128) == dispatch.Plan("pallas", "dequant_dot", "dequant_dot_t")
+    with pytest.raises(dispatch.BackendError, match="Hopper GPU only"):
+        dispatch.choose_plan(q, 128, "pallas", variant="mgpu_decoded_wgmma", dtype="bfloat16")
+    with pytest.raises(dispatch.BackendError, match="Hopper GPU only"):
         ops.qmatmul(jnp.ones((4, 512), jnp.bfloat16), q, backend="interpret",
                     variant="mgpu_decoded_wgmma")
 
@@ -464,8 +464,8 @@ def test_qmatmul_auto_runs_them_forward_and_backward():
     q, _, _ = _quantized(512, 1024, 64)
     x = jax.random.normal(jax.random.key(9), (2, 64, 1024), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(10), (2, 64, 512), jnp.bfloat16)
-    from jqlora.ops import backends
-    assert backends.choose_plan(q, 128, "auto", dtype="bfloat16").bwd == "mgpu_decoded_wgmma_t"
+    from jqlora.ops import dispatch
+    assert dispatch.choose_plan(q, 128, "auto", dtype="bfloat16").bwd == "mgpu_decoded_wgmma_t"
     y, pull = jax.vjp(lambda x: ops.qmatmul(x, q), x)
     y_ref, pull_ref = jax.vjp(lambda x: ops.qmatmul(x, q, backend="xla"), x)
     for got, ref in ((y, y_ref), (pull(dy)[0], pull_ref(dy)[0])):

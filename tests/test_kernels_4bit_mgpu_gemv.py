@@ -103,7 +103,7 @@ def test_word_program_is_two_fma_chains_over_table_pairs(m, quant_type, base):
     """word_ptx on random words, lanes, x and running sums: byte i of the word adds
     x_even[i] * code[hi] to the even sum and x_odd[i] * code[lo] to the odd one, in byte order,
     one rounding each; each lane reads its own copy of the table, which starts at `base` (3072:
-    where Mosaic's shared memory starts on the H100, s18-2)."""
+    where Mosaic's shared memory starts on an H100)."""
     code = tables.code_4bit(quant_type)
     rng = np.random.default_rng(m)
     lanes = 64
@@ -243,26 +243,26 @@ def test_kernel_lowers_for_cuda(m, n, k, bs, cfg, dtype, nested):
 
 
 def test_auto_picks_it_on_hopper_at_small_m(monkeypatch):
-    from jqlora.ops import backends
+    from jqlora.ops import dispatch
 
-    monkeypatch.setattr(backends, "on_gpu", lambda: True)
-    monkeypatch.setattr(backends, "mgpu_available", lambda: True)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "mgpu_available", lambda: True)
     monkeypatch.setattr(mg, "available", lambda: True)
     q = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", 64, True),
                        jax.ShapeDtypeStruct((4096, 4096), jnp.float32))
-    assert backends.choose_plan(q, 1, "auto", dtype="float32").fwd == "gemv_block_scaled"
+    assert dispatch.choose_plan(q, 1, "auto", dtype="float32").fwd == "gemv_block_scaled"
     for m in (1, 2, 3):  # the pair-table MMA kernel (test_kernels_4bit_mgpu_mma), since s19 at M = 1
-        assert backends.choose_plan(q, m, "auto", dtype="bfloat16").fwd == "mgpu_mma_pair_table"
+        assert dispatch.choose_plan(q, m, "auto", dtype="bfloat16").fwd == "mgpu_mma_pair_table"
     q32 = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", 32, True),
                          jax.ShapeDtypeStruct((4096, 4096), jnp.float32))  # blocksize 32
     for m in (1, 2):  # shapes the MMA kernel excludes
-        assert backends.choose_plan(q32, m, "auto", dtype="bfloat16").fwd == "mgpu_gemv_pair_table"
+        assert dispatch.choose_plan(q32, m, "auto", dtype="bfloat16").fwd == "mgpu_gemv_pair_table"
     odd = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", 64, True),
                          jax.ShapeDtypeStruct((384, 4096), jnp.float32))  # N % 256 != 0
     for m in (1, 2):
-        assert backends.choose_plan(odd, m, "auto", dtype="bfloat16").fwd == "gemv_block_scaled"
-    with pytest.raises(backends.BackendError, match="Hopper"):
-        backends.choose_plan(q, 1, "interpret", variant="mgpu_gemv_pair_table")
+        assert dispatch.choose_plan(odd, m, "auto", dtype="bfloat16").fwd == "gemv_block_scaled"
+    with pytest.raises(dispatch.BackendError, match="Hopper"):
+        dispatch.choose_plan(q, 1, "interpret", variant="mgpu_gemv_pair_table")
 
 
 # ----------------------------------------------------------------------------- on the GPU
@@ -301,8 +301,8 @@ def test_matches_emulation_and_reference(m, n, k, bs, quant_type, dtype, cfg):
 @gpu
 def test_qmatmul_auto_runs_it_and_writes_x_dtype():
     q, x, packed, absmax = _problem(1, 512, 1024, 32)  # blocksize 32: the MMA kernel declines
-    from jqlora.ops import backends
-    assert backends.choose_plan(q, 1, "auto", dtype="bfloat16").fwd == "mgpu_gemv_pair_table"
+    from jqlora.ops import dispatch
+    assert dispatch.choose_plan(q, 1, "auto", dtype="bfloat16").fwd == "mgpu_gemv_pair_table"
     y = ops.qmatmul(x[None], q)  # (1, 1, K): 3-D x
     ref = ops.qmatmul(x[None], q, backend="xla")
     assert y.shape == ref.shape == (1, 1, 512) and y.dtype == jnp.bfloat16

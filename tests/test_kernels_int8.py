@@ -34,6 +34,7 @@ from jax import lax
 from pallas_kernels.triton import matmul_int8 as mi
 from pallas_kernels.triton import matmul_int8_gemv as mg
 from pallas_kernels.triton import matmul_llm_int8 as ml
+from pallas_kernels import registry
 from pallas_kernels.registry import OPS, Variant
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -41,8 +42,9 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 MS = [1, 3, 17, 64, 130]
 N, K = 72, 200  # not multiples of any tile
 EPS32 = float(np.finfo(np.float32).eps)
-ALL_VARIANTS = mi.VARIANTS + mg.VARIANTS + ml.VARIANTS
-VARIANT = {v.name: v for v in ALL_VARIANTS}
+INT8_VARIANTS = (registry.for_op("matmul_int8") + registry.for_op("matmul_int8_t")
+                 + registry.for_op("llm_int8"))
+VARIANT = {v.name: v for v in INT8_VARIANTS}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -119,10 +121,10 @@ def _llm_bound(x, cb, scb, want, out_dtype):
 
 # ----------------------------------------------------------------------------- registry
 def test_variants_registered():
-    names = {v.name for v in ALL_VARIANTS}
+    names = {v.name for v in INT8_VARIANTS}
     assert {"int8_weight_only", "int8_weight_only_t", "llm_int8_tiled"} <= names
-    assert len(names) == len(ALL_VARIANTS)
-    for v in ALL_VARIANTS:
+    assert len(names) == len(INT8_VARIANTS)
+    for v in INT8_VARIANTS:
         assert isinstance(v, Variant) and v.op in OPS
         assert v.supports(1, N, K, 0)
     assert VARIANT["int8_weight_only"].op == "matmul_int8"
@@ -351,13 +353,13 @@ def test_property_outlier_gather_matches_dense_masked(m, n, k, n_out, cap_offset
 
 
 # ----------------------------------------------------------------------------- kernels vs references
-# Every M and every dtype for the main variants; the other variants (and threshold 0) run each M
-# once, with the dtype rotating, to keep CI time down (each case compiles a kernel: ~1 s).
+# Every M and every dtype for three variants (the tiled kernel of each op: the most code paths);
+# every other registered int8 variant (and llm_int8_tiled at threshold 0) runs each M once, with
+# the dtype rotating, to keep CI time down (each case compiles a kernel: ~1 s). LLM.int8
+# variants run at threshold 6 (outlier columns).
 _FULL = {("int8_weight_only", None), ("int8_weight_only_t", None), ("llm_int8_tiled", 6.0)}
-_PARTIAL = [("int8_weight_only_dq", None), ("int8_weight_only_splitk", None),
-            ("int8_weight_only_gemv", None), ("int8_dequant_dot", None),
-            ("int8_dequant_dot_t", None),
-            ("llm_int8_tiled", 0.0), ("llm_int8_tiled_skip", 6.0)]
+_PARTIAL = [(v.name, 6.0 if v.op == "llm_int8" else None) for v in INT8_VARIANTS
+            if v.name not in {name for name, _ in _FULL}] + [("llm_int8_tiled", 0.0)]
 
 
 def _kernel_cases():
@@ -375,7 +377,7 @@ def _kernel_cases():
         for i, m in enumerate(m for m in MS if VARIANT[name].supports(m, N, K, 0)):
             add(name, m, DTYPES[(i + j) % len(DTYPES)], t)
     covered = {c.values[0] for c in cases}
-    assert covered == set(VARIANT), set(VARIANT) - covered  # a new variant must be added here
+    assert covered == set(VARIANT), set(VARIANT) - covered
     return cases
 
 

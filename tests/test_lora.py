@@ -10,6 +10,7 @@ from flax import nnx
 
 from jqlora import lora, ops, quant
 from jqlora.lora import LoraConfig, QLoRALinear, QuantizedBase
+from jqlora.lora.linear import lora_scale
 
 
 def _w(out=48, inp=128, seed=0):
@@ -119,7 +120,7 @@ def test_rslora_scale():
     d_plain = plain(x) - base
     d_rs = rs(x) - base
     np.testing.assert_allclose(np.asarray(d_rs), 4.0 * np.asarray(d_plain), rtol=1e-3, atol=1e-5)
-    assert LoraConfig(rank=16, alpha=32, use_rslora=True) and lora.lora_scale(16, 32, True) == 8.0
+    assert LoraConfig(rank=16, alpha=32, use_rslora=True) and lora_scale(16, 32, True) == 8.0
 
 
 def test_dropout_only_on_lora_branch():
@@ -235,3 +236,20 @@ def test_qlora_linear_nd_and_bf16():
     assert y.shape == (2, 3, 4, 48) and y.dtype == jnp.bfloat16
     ref = x.astype(jnp.float32) @ layer.merge().T
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref), atol=0.05, rtol=0.05)
+
+
+def _run_docstring_examples(obj, name):
+    """(failed, attempted) for the doctest examples in obj's own docstring."""
+    import doctest
+
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder(recurse=False).find(obj, name, globs={}):
+        runner.run(test)
+    return runner.summarize(verbose=False)
+
+
+def test_qlora_linear_docstring_example_runs():
+    from jqlora.lora.linear import QLoRALinear as cls
+
+    failed, attempted = _run_docstring_examples(cls, "QLoRALinear")
+    assert attempted >= 8 and failed == 0

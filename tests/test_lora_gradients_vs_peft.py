@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jqlora import lora, models  # noqa: E402
-from jqlora.train.loop import masked_cross_entropy  # noqa: E402
+from jqlora.train.step import masked_cross_entropy  # noqa: E402
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

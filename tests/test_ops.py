@@ -350,22 +350,22 @@ def test_interpret_backend_bf16_matches_reference():
 def test_auto_plan_on_a_gpu_follows_the_measured_defaults(monkeypatch):
     """What `auto` runs on a GPU (benchmarks/results): small M streams the weight once, large M
     dequantizes once per call for the vendor GEMM; LLM.int8 numerics stay on the jnp path."""
-    from jqlora.ops import backends
+    from jqlora.ops import dispatch
 
-    monkeypatch.setattr(backends, "on_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
     _, qs = _weights(64, 128)
-    plan = lambda kind, m, **kw: backends.choose_plan(qs[kind], m, "auto", **kw)
-    assert plan("nf4", 1) == backends.Plan("pallas", "gemv_block_scaled", "dequant_dot_t")
-    assert plan("nf4", 2) == backends.Plan("pallas", "gemv_block_scaled", "dequant_dot_t")
+    plan = lambda kind, m, **kw: dispatch.choose_plan(qs[kind], m, "auto", **kw)
+    assert plan("nf4", 1) == dispatch.Plan("pallas", "gemv_block_scaled", "dequant_dot_t")
+    assert plan("nf4", 2) == dispatch.Plan("pallas", "gemv_block_scaled", "dequant_dot_t")
     for m in (3, 4, 16, 17, 32):
-        assert plan("nf4", m) == backends.Plan("pallas", "block_scaled_dot_prmt", "dequant_dot_t")
+        assert plan("nf4", m) == dispatch.Plan("pallas", "block_scaled_dot_prmt", "dequant_dot_t")
     for m in (33, 48, 64):
-        assert plan("nf4", m) == backends.Plan("pallas", "decoded_dot_prmt", "dequant_dot_t")
-    assert plan("nf4", 65) == backends.Plan("pallas", "dequant_dot", "dequant_dot_t")
-    assert plan("int8", 64) == backends.Plan("pallas", "int8_weight_only_splitk", "int8_dequant_dot_t")
-    assert plan("int8", 65) == backends.Plan("pallas", "int8_dequant_dot", "int8_dequant_dot_t")
-    assert plan("int8", 1, numerics="llm_int8") == backends.Plan("xla")
-    assert backends.choose_plan(qs["nf4"], 1, "xla") == backends.Plan("xla")
+        assert plan("nf4", m) == dispatch.Plan("pallas", "decoded_dot_prmt", "dequant_dot_t")
+    assert plan("nf4", 65) == dispatch.Plan("pallas", "dequant_dot", "dequant_dot_t")
+    assert plan("int8", 64) == dispatch.Plan("pallas", "int8_weight_only_splitk", "int8_dequant_dot_t")
+    assert plan("int8", 65) == dispatch.Plan("pallas", "int8_dequant_dot", "int8_dequant_dot_t")
+    assert plan("int8", 1, numerics="llm_int8") == dispatch.Plan("xla")
+    assert dispatch.choose_plan(qs["nf4"], 1, "xla") == dispatch.Plan("xla")
 
 
 def _weight_sized_copies(jaxpr, size):

@@ -101,7 +101,7 @@ def test_packed_tables_give_the_mask_paths_loss_and_gradients(emulated_cudnn):
     """A packed batch as train() hands it to a cudnn model (segment tables added): the same loss
     sums and LoRA gradients as the einsum path's (T, T) mask; a table too narrow for a row's
     segments gives NaN, never a finite wrong loss."""
-    from jqlora.train.loop import _forward_sums
+    from jqlora.train.step import _forward_sums
 
     t = 24
     rng = np.random.default_rng(0)

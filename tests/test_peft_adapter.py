@@ -89,13 +89,30 @@ def test_overwrite_existing_directory_keeps_other_files(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["adapter"]  # no temp dir left
 
 
+def test_adapter_file_is_what_safetensors_writes(tmp_path):
+    """The weights file is standard: the safetensors package reads it, and writing the same
+    tensors with safetensors.numpy.save_file gives the same bytes."""
+    from safetensors.numpy import load_file, save_file
+
+    params = _random_lora(seed=4)
+    save_peft_adapter(tmp_path / "ours", params, rank=4, alpha=8, target_modules=TARGETS)
+    ours = tmp_path / "ours" / WEIGHTS_NAME
+    on_disk = load_file(ours)
+    assert len(on_disk) == 2 * len(params)
+    for m, pair in params.items():
+        for k, v in pair.items():
+            np.testing.assert_array_equal(on_disk[f"base_model.model.{m}.{k}.weight"], v)
+    save_file(on_disk, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    assert ours.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
 def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
-    import safetensors.numpy
+    import interop.peft_adapter as pa
 
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", boom)
+    monkeypatch.setattr(pa, "write_safetensors", boom)
     with pytest.raises(OSError, match="disk full"):
         save_peft_adapter(tmp_path / "adapter", _random_lora(), rank=4, alpha=8, target_modules=TARGETS)
     assert os.listdir(tmp_path) == []
@@ -252,6 +269,19 @@ def test_load_accepts_default_adapter_name_and_bf16(saved):
     m = "model.layers.0.self_attn.q_proj"
     assert loaded[m]["lora_A"].dtype == np.dtype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(loaded[m]["lora_A"], ref[m]["lora_A"].astype(ml_dtypes.bfloat16))
+
+
+def test_load_truncated_weights_file(saved):
+    data = (saved / WEIGHTS_NAME).read_bytes()
+    (saved / WEIGHTS_NAME).write_bytes(data[:-4])
+    with pytest.raises(AdapterFormatError, match=r"not a valid safetensors file: .*adapter_model\.safetensors.*truncated"):
+        load_peft_adapter(saved)
+
+
+def test_load_integer_tensor(saved):
+    _rewrite_tensors(saved, lambda t: {k: (v * 100).astype(np.int32) if "q_proj.lora_A" in k else v for k, v in t.items()})
+    with pytest.raises(AdapterFormatError, match=r"adapter_model\.safetensors: tensor '.*q_proj\.lora_A\.weight' has dtype I32"):
+        load_peft_adapter(saved)
 
 
 def test_load_rank_pattern(saved):

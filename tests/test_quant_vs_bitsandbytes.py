@@ -1,6 +1,6 @@
 """jqlora.quant against bitsandbytes 0.50.2 running on CPU in the same process.
 
-What is compared, and how exactly (BNB_FORMAT.md section numbers in brackets):
+What is compared, and how exactly (docs/bnb_format.md section numbers in brackets):
 
 * dequantize: bit for bit (uint views) against ``F.dequantize_4bit`` [1.3, 2.3]; also against
   bitsandbytes' pure-torch reference op (``backends/default/ops.py``) and an independent float64
@@ -262,7 +262,7 @@ def assert_nested_close(jq: quant.Weight4bit, qs):
       else a few ulp apart (<= 3 seen in 300 random weights); asserted <= 8 ulp.
     * nested_absmax = max |absmax - offset| per group of 256: differs by at most |offset difference|
       (the max is 1-Lipschitz in the offset) plus 1 ulp of rounding.
-    * nested codes (BNB_FORMAT 2.5): bnb's CPU kernel looks codes up in a 65536-bin table instead
+    * nested codes (docs/bnb_format.md §2.5): bnb's CPU kernel looks codes up in a 65536-bin table instead
       of the exact nearest entry. Asserted: codes within +-1, or (near 0, where the dynamic map is
       denser than the table) decoding to values within 2**-14 of each other. Groups whose
       nested_absmax is 0 carry no information (every code decodes to the offset) and are skipped.
@@ -654,9 +654,9 @@ def test_prop_pytree_jit_tree_map_vmap(wd, fmt, out):
 @given(weights(), st.sampled_from(QUANT_TYPES), st.sampled_from(BLOCKSIZES))
 def test_prop_nested_stats_describe_the_stored_offset(wd, quant_type, blocksize):
     """Double quant under jit: each nested_absmax is max |absmax - offset| over its group for the
-    offset that is stored, to the bit (XLA used to contract the mean's sum * (1 / n) into the
-    subtraction, nesting around an offset an ulp away from the stored one: 70 of 300 random
-    weights, and this file's bnb comparison failed once on it in session 19)."""
+    offset that is stored, to the bit (XLA may contract the mean's sum * (1 / n) into the
+    subtraction, nesting around an offset an ulp away from the stored one, which this test
+    catches on random weights)."""
     w, dtype = wd
     jq = _jit_quantize(jnp.asarray(w).astype(JNP_DTYPES[dtype]), quant_type=quant_type,
                        blocksize=blocksize, double_quant=True)

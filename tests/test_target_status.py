@@ -1,7 +1,7 @@
-"""benchmarks/target_status: the issue's targets read off one benchmark run."""
+"""benchmarks/targets: the issue's targets read off one benchmark run."""
 import json
 
-from benchmarks import run, target_status as ts
+from benchmarks import run, targets as ts
 
 
 def _result(ratio_nf4: float, ratio_int8: float, skip=()):

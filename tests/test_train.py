@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from jqlora import train as T
 from jqlora.train import checkpoint as ckpt_mod
+from jqlora.train import data as D
 
 # ------------------------------------------------------------------------------------------------
 # fixtures: a char-level tokenizer built on the fly, a tiny causal LM following the model contract
@@ -131,18 +132,18 @@ GOOD = {"text": "abc"}
 def test_jsonl_errors_name_file_and_line(tmp_path, bad, needle):
     p = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD, bad, GOOD])
     with pytest.raises(T.DataError) as e:
-        T.load_jsonl(p)
+        D.load_jsonl(p)
     msg = str(e.value)
     assert "d.jsonl" in msg and "line 3" in msg and needle in msg, msg
 
 
 def test_jsonl_ok_and_empty_file(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"prompt": "", "completion": "x", "id": 7}])
-    exs = T.load_jsonl(p)
+    exs = D.load_jsonl(p)
     assert [e.line for e in exs] == [1, 2] and exs[1].completion == "x"
     (tmp_path / "e.jsonl").write_text("")
     with pytest.raises(T.DataError, match="no examples"):
-        T.load_jsonl(tmp_path / "e.jsonl")
+        D.load_jsonl(tmp_path / "e.jsonl")
 
 
 def test_special_tokens_resolution(tok, tok_path, tmp_path):
@@ -162,8 +163,8 @@ def test_special_tokens_resolution(tok, tok_path, tmp_path):
 
 def test_prompt_completion_masks_only_completion(tok):
     sp = T.special_tokens(tok)
-    ex = T.parse_example({"prompt": "what? ", "completion": "hello."})
-    ids, trained = T.tokenize_example(tok, ex, sp)
+    ex = D.parse_example({"prompt": "what? ", "completion": "hello."})
+    ids, trained = D.tokenize_example(tok, ex, sp)
     it = T.BatchIterator([(ids, trained)], seq_len=24, batch_size=1, packing=False, shuffle=False,
                          pad_id=sp.pad_id)
     b = next(it)
@@ -176,7 +177,7 @@ def test_prompt_completion_masks_only_completion(tok):
     assert m.sum() == len("hello.") + 1 and not m[n:].any()
     assert not m[: 1 + len("what? ") - 1].any()  # targets that are prompt tokens
     # text examples: every token after BOS is a target
-    ids, trained = T.tokenize_example(tok, T.parse_example({"text": "abc"}), sp)
+    ids, trained = D.tokenize_example(tok, D.parse_example({"text": "abc"}), sp)
     assert list(trained) == [False, True, True, True, True]
 
 
@@ -225,8 +226,8 @@ def test_packing_segments_positions_no_straddle(lengths, seq_len, batch_size, se
 
 def test_padding_mode_and_truncation(tok):
     sp = T.special_tokens(tok)
-    docs = [T.parse_example({"text": t}) for t in ["ab", "abcdefghijklmnop", "xyz"]]
-    tokd = T.tokenize_examples(tok, docs, sp)
+    docs = [D.parse_example({"text": t}) for t in ["ab", "abcdefghijklmnop", "xyz"]]
+    tokd = D.tokenize_examples(tok, docs, sp)
     it = T.BatchIterator(tokd, seq_len=8, batch_size=3, packing=False, shuffle=False,
                          pad_id=sp.pad_id)
     b = next(it)
@@ -258,7 +259,7 @@ def test_iterator_resume_is_exact_across_epochs():
     rest = [next(c) for _ in range(7)]
     assert a.state_dict()["epoch"] >= 2
     for x, y in zip(straight, first + rest):
-        for k in T.data.BATCH_KEYS:
+        for k in D.BATCH_KEYS:
             np.testing.assert_array_equal(x[k], y[k])
     # other data -> refused
     d = T.BatchIterator(tokd[:-1], **kw)
@@ -267,10 +268,10 @@ def test_iterator_resume_is_exact_across_epochs():
 
 
 def test_tokenizer_vocab_mismatch(tok, tmp_path, tok_path):
-    T.check_tokenizer_fits(tok, VOCAB)
-    T.check_tokenizer_fits(tok, VOCAB + 64)  # padded embeddings are fine
+    D.check_tokenizer_fits(tok, VOCAB)
+    D.check_tokenizer_fits(tok, VOCAB + 64)  # padded embeddings are fine
     with pytest.raises(T.DataError, match=r"vocab_size is 20"):
-        T.check_tokenizer_fits(tok, 20)
+        D.check_tokenizer_fits(tok, 20)
     data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(4))
     with pytest.raises(T.DataError, match="vocab_size"):
         T.train(StubLM(vocab_size=20), base_config(tmp_path, tok_path, data))
@@ -595,6 +596,30 @@ def test_corrupt_or_mismatched_checkpoint_names_key(tmp_path):
         T.restore_checkpoint(tmp_path / "nothing", *_model_opt())
 
 
+def test_checkpoint_arrays_file_is_standard_safetensors(tmp_path):
+    """arrays.safetensors is what safetensors.numpy writes for the same tensors (byte for byte),
+    and a file whose checksum matches but whose safetensors header is broken is refused by name."""
+    import hashlib
+
+    import safetensors.numpy as stn
+
+    m, opt = _model_opt()
+    path = T.save_checkpoint(tmp_path, m, opt, None, 1)
+    f = path / ckpt_mod.ARRAYS_FILE
+    arrays = stn.load_file(f)
+    state = json.loads((path / ckpt_mod.STATE_FILE).read_text())
+    assert set(arrays) == set(state["arrays"]) and any(k.startswith("lora/") for k in arrays)
+    for k, meta in state["arrays"].items():
+        assert list(arrays[k].shape) == meta["shape"], k
+    assert f.read_bytes() == stn.save(arrays, metadata={"format": ckpt_mod.FORMAT})
+    bad = b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"a":{"dtype":"F32"}}'
+    f.write_bytes(bad)
+    state["arrays_sha256"] = hashlib.sha256(bad).hexdigest()
+    (path / ckpt_mod.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(T.CheckpointError, match=r"corrupt safetensors file .*arrays\.safetensors"):
+        T.restore_checkpoint(path, *_model_opt())
+
+
 def test_remat_flag_uses_model_hook():
     class WithHook(StubLM):
         remat = False
@@ -639,9 +664,17 @@ def _nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def test_train_step_is_one_documented_function():
+    from jqlora.train import loop, step
+
+    assert T.train_step is step.train_step is loop.train_step
+    assert T.train_step.__name__ == "train_step"
+    assert "Args:" in T.train_step.__doc__ and "Returns:" in T.train_step.__doc__
+
+
 def test_train_step_outputs_exclude_frozen_weights_and_match_nnx_jit():
     from jqlora.lora.linear import FrozenParam
-    from jqlora.train.loop import _train_step_impl, train_step
+    from jqlora.train.step import _train_step_impl, train_step
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 128, (1, 2, 17)).astype(np.int32)
@@ -685,7 +718,7 @@ def test_bound_train_step_equals_unbound_and_updates_the_objects():
     """train_step.bind(model, opt) gives the same steps as train_step(model, opt, batch): same
     metrics, same LoRA params, optimizer state and RNG counts, written into the same objects."""
     from jqlora.lora.linear import FrozenParam
-    from jqlora.train.loop import train_step
+    from jqlora.train.step import train_step
 
     model, opt = _quantized_llama_and_opt()
     ref_model, ref_opt = _quantized_llama_and_opt()
@@ -717,7 +750,7 @@ def test_unpacked_rows_need_no_segment_mask(attention):
     padding after it, plain causal attention gives the same loss, token count and LoRA gradients
     as the segment mask (the xla attention is the call that runs cuDNN on a GPU)."""
     from jqlora import lora, models
-    from jqlora.train.loop import _forward_sums
+    from jqlora.train.step import _forward_sums
 
     cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
@@ -781,7 +814,7 @@ def test_bound_step_reads_values_set_between_calls_and_checks_its_arguments():
 def test_chunked_cross_entropy_equals_full_on_random_shapes(b, t, chunk, seed):
     """The lax.scan over padded chunks gives the full-logits loss sum, token count and gradient
     for any sequence length and chunk size (last chunk partial or not, t <= chunk)."""
-    from jqlora.train.loop import chunked_cross_entropy, masked_cross_entropy
+    from jqlora.train.step import chunked_cross_entropy, masked_cross_entropy
 
     rng = np.random.default_rng(seed)
     d, v = 8, 11

@@ -1,8 +1,8 @@
-"""benchmarks/train_profile: the trace parsing and kernel attribution behind the session-10
+"""benchmarks/profile/train_profile: the trace parsing and kernel attribution behind the
 training-step profiles (the GPU run itself is not possible in CI; its parts are)."""
 import json
 
-from benchmarks import train_profile as tp
+from benchmarks.profile import train_profile as tp
 
 HLO = """
 ENTRY %main {

@@ -2,14 +2,15 @@
 
 Commands (one module each; torch, transformers and the models load only when a command runs):
 
-  inspect      what a bitsandbytes checkpoint holds: per tensor format, shapes, bytes; totals
-  train        LoRA fine-tuning of a (quantized) checkpoint from a JSON/TOML config and/or flags
-  generate     text generation with an optional PEFT adapter
-  export-peft  a training checkpoint -> a PEFT adapter directory
-  import-peft  check a PEFT adapter against a model (modules matched, shapes, effect on logits)
-  crosscheck   JAX vs transformers+bitsandbytes(+PEFT) in torch: per-layer and logits errors
-  bench        the GPU benchmark (benchmarks/run.py); GPU only
-  demo         the end-to-end demo (`make demo`): build, quantize, fine-tune, export, cross-check
+  inspect         what a bitsandbytes checkpoint holds: per tensor format, shapes, bytes; totals
+  train           LoRA fine-tuning of a (quantized) checkpoint from a JSON/TOML config and/or flags
+  generate        text generation with an optional PEFT adapter
+  export-peft     a training checkpoint -> a PEFT adapter directory
+  import-peft     check a PEFT adapter against a model (modules matched, shapes, effect on logits)
+  crosscheck      JAX vs transformers+bitsandbytes(+PEFT) in torch: per-layer and logits errors
+  explain-kernel  which kernel variants a quantized product runs (forward, backward), and why
+  bench           the GPU benchmark (benchmarks/run.py); GPU only, from a checkout of the repository
+  demo            the end-to-end demo (`make demo`): build, quantize, fine-tune, export, cross-check
 
 Exit status: 0 ok, 1 internal error (traceback), 2 bad input or failed check (one-line message).
 """
@@ -30,6 +31,7 @@ COMMANDS = {
     "export-peft": "peft_cmd:export",
     "import-peft": "peft_cmd:import_",
     "crosscheck": "crosscheck_cmd",
+    "explain-kernel": "explain_cmd",
     "bench": "bench_cmd",
     "demo": "demo_cmd",
 }

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+from jqlora.cli._common import CLIError
+
 HELP = "compare JAX with transformers+bitsandbytes(+PEFT) in torch: per-layer and logits errors"
 DESCRIPTION = """\
 Run the same random token ids through (a) transformers AutoModelForCausalLM.from_pretrained(PATH)
@@ -37,7 +39,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from jqlora.cli._common import CLIError, quiet_third_party
+    from jqlora._util import quiet_third_party
 
     if args.tokens < 1 or args.batch < 1:
         raise CLIError("--tokens and --batch must be >= 1")

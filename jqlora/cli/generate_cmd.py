@@ -50,7 +50,7 @@ def _tokenizer(args):
 def run(args) -> int:
     if args.max_new_tokens < 1:
         raise CLIError("--max-new-tokens must be >= 1")
-    from jqlora.cli._common import default_compute_dtype, jnp_dtype, quiet_third_party
+    from jqlora._util import default_compute_dtype, jnp_dtype, quiet_third_party
 
     quiet_third_party()
     import jax

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import json
-import math
-from pathlib import Path
 
-from jqlora.cli._common import CLIError, fmt_bytes
+from jqlora._util import fmt_bytes
 
 HELP = "per-tensor format, shapes and bytes of a bitsandbytes checkpoint, with totals"
 DESCRIPTION = """\
 Read a Hugging Face checkpoint directory (config.json + model.safetensors or a sharded index)
-through interop.load_bnb_checkpoint, which validates every tensor, and list per entry:
+through interop.load_bnb_checkpoint, which validates every tensor, and list per entry
+(library: interop.inspect.inspect_checkpoint):
 
   name      module name for a quantized linear layer (model.layers.0.self_attn.q_proj),
             the full tensor key for everything else (model.norm.weight)
@@ -33,57 +32,6 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--limit", type=int, default=None,
                    help="show at most this many rows in the table (totals always cover everything)")
-
-
-def _entry(name, value) -> dict:
-    from jqlora import quant
-
-    if isinstance(value, quant.Weight4bit):
-        return dict(name=name, kind=value.quant_type, blocksize=int(value.blocksize), nested=bool(value.nested),
-                    dtype=value.stored_dtype, shape=[int(d) for d in value.shape], bytes=int(value.nbytes),
-                    params=int(value.numel), quantized=True)
-    if isinstance(value, quant.Int8Weight):
-        return dict(name=name, kind="int8", blocksize=None, nested=False, dtype=value.stored_dtype,
-                    shape=[int(d) for d in value.shape], bytes=int(value.nbytes),
-                    params=int(math.prod(value.shape)), quantized=True, threshold=float(value.threshold))
-    shape = [int(d) for d in getattr(value, "shape", ())]
-    nbytes = int(getattr(value, "nbytes", 0))
-    return dict(name=name, kind="plain", blocksize=None, nested=False, dtype=str(value.dtype), shape=shape,
-                bytes=nbytes, params=int(math.prod(shape)), quantized=False)
-
-
-def inspect_checkpoint(path) -> dict:
-    """-> {"path", "model_type", "quantization", "tensors": [...], "totals": {...}}. Raises the
-    interop CheckpointError (a ValueError naming file and tensor) on a malformed checkpoint."""
-    import jax
-
-    import interop
-
-    path = Path(path)
-    if not path.exists():
-        raise CLIError(f"{path}: no such checkpoint file or directory")
-    ckpt_dir = path.parent if path.is_file() else path
-    params, config = interop.load_bnb_checkpoint(ckpt_dir, device=jax.devices("cpu")[0])
-    rows = [_entry(k, v) for k, v in sorted(params.items())]
-    q = [r for r in rows if r["quantized"]]
-    pl = [r for r in rows if not r["quantized"]]
-    qb, pb = sum(r["bytes"] for r in q), sum(r["bytes"] for r in pl)
-    qp, pp = sum(r["params"] for r in q), sum(r["params"] for r in pl)
-    files = sorted(str(p) for p in ckpt_dir.glob("*.safetensors"))
-    kinds: dict[str, int] = {}
-    for r in rows:
-        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
-    totals = dict(
-        entries=len(rows), by_kind=kinds,
-        quantized_bytes=qb, plain_bytes=pb, total_bytes=qb + pb,
-        quantized_params=qp, plain_params=pp, params=qp + pp,
-        bits_per_param=(8.0 * (qb + pb) / (qp + pp)) if qp + pp else None,
-        bits_per_quantized_param=(8.0 * qb / qp) if qp else None,
-        file_bytes=sum(Path(f).stat().st_size for f in files),
-    )
-    qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else None
-    return dict(path=str(ckpt_dir), model_type=config.get("model_type"), files=files,
-                quantization=qc, tensors=rows, totals=totals)
 
 
 def _table(info: dict, limit=None) -> str:
@@ -116,6 +64,8 @@ def _table(info: dict, limit=None) -> str:
 
 
 def run(args) -> int:
+    from interop.inspect import inspect_checkpoint
+
     info = inspect_checkpoint(args.path)
     if args.json:
         print(json.dumps(info, indent=1))

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jqlora.cli._common import CLIError, load_config_file, write_json_atomic
+from jqlora.cli._common import CLIError
+from jqlora.runs import RUN_FILE, RUN_FORMAT, RUN_VERSION, load_config_file, lora_record, write_run_record
 
 HELP = "LoRA fine-tuning of a (bitsandbytes) checkpoint; writes a PEFT adapter at the end"
 DESCRIPTION = """\
@@ -40,8 +41,6 @@ Outputs in out_dir: loss.csv, loss.png, checkpoints/step_*, jqlora_run.json (wha
 needs) and the adapter. --resume continues from the newest checkpoint with the stored settings
 (raise --steps to train longer); model and LoRA settings must not change."""
 
-RUN_FILE = "jqlora_run.json"
-RUN_FORMAT = "jqlora-run"
 _TOP_KEYS = ("model", "compute_dtype", "backend", "attention", "quantize", "init_adapter", "adapter_out")
 _LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "use_rslora")
 _LORA_DEFAULTS = dict(rank=16, alpha=32.0, dropout=0.0, target_modules=None, use_rslora=False)
@@ -245,7 +244,7 @@ def run(args) -> int:
     top, lcfg, tcfg = s["top"], s["lora"], s["train"]
     if not top.get("model"):
         raise CLIError("no model: pass --model PATH or set `model` in the config file")
-    from jqlora.cli._common import default_compute_dtype, jnp_dtype, quiet_third_party
+    from jqlora._util import default_compute_dtype, jnp_dtype, quiet_third_party
 
     quiet_third_party()
     from jqlora.train import TrainConfig
@@ -283,15 +282,13 @@ def run(args) -> int:
         kw = {k: v for k, v in lcfg.items() if v is not None}
         lora_cfg = LoraConfig(**kw)
     record = {
-        "format": RUN_FORMAT, "version": 1,
+        "format": RUN_FORMAT, "version": RUN_VERSION,
         "model": str(model_path.resolve()), "compute_dtype": compute, "backend": top.get("backend", "auto"),
         "attention": top.get("attention", "einsum"),
         **({"quantize": top["quantize"]} if top.get("quantize") else {}),
         **({"init_adapter": str(top["init_adapter"])} if top.get("init_adapter") else {}),
         **({"adapter_out": str(top["adapter_out"])} if top.get("adapter_out") else {}),
-        "lora": {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "dropout": lora_cfg.dropout,
-                 "target_modules": lora_cfg.target_modules if isinstance(lora_cfg.target_modules, str)
-                 else list(lora_cfg.target_modules), "use_rslora": lora_cfg.use_rslora},
+        "lora": lora_record(lora_cfg),
         "train": dataclasses.asdict(config),
     }
     if args.dry_run:
@@ -303,7 +300,7 @@ def run(args) -> int:
     if init is not None:
         rep = adapters.attach_adapter(model, init, where=str(top["init_adapter"]))
         print(f"initialized {len(rep['matched'])} LoRA modules from {top['init_adapter']}", file=sys.stderr)
-    write_json_atomic(out_dir / RUN_FILE, record)  # before training: export-peft works on partial runs
+    write_run_record(out_dir, record)  # before training: export-peft works on partial runs
     from jqlora.train import NonFiniteLossError, train
 
     try:

@@ -83,7 +83,7 @@ def _examples(rows, k=3):
 def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Callable[[str], None] = print,
              progress: Optional[bool] = None) -> dict:
     """Run the whole demo into `out`; returns the summary dict (also written to out/summary.json)."""
-    from jqlora.cli._common import quiet_third_party
+    from jqlora._util import quiet_third_party
 
     quiet_third_party()
     t_start = time.perf_counter()
@@ -122,7 +122,7 @@ def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Ca
     steps.start("quantize", "quantize with transformers + bitsandbytes: NF4, blocksize 64, double quant (lm_head "
                             "and embeddings stay fp32)")
     qdir = build.quantize_with_bnb(out / "base-fp32", out / "base-nf4")
-    from jqlora.cli.inspect_cmd import inspect_checkpoint
+    from interop.inspect import inspect_checkpoint
 
     info = inspect_checkpoint(qdir)
     tot = info["totals"]
@@ -150,8 +150,7 @@ def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Ca
         log(f"        {e}")
 
     # 5. fine-tune ------------------------------------------------------------------------------
-    from jqlora.cli._common import write_json_atomic
-    from jqlora.cli.train_cmd import RUN_FILE, RUN_FORMAT
+    from jqlora.runs import lora_record, write_run_record
     from jqlora.train import TrainConfig, train
 
     run_dir = out / "run"
@@ -162,11 +161,8 @@ def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Ca
                       eval_max_batches=4, progress=progress)
     steps.start("finetune", f"LoRA fine-tune on the reverse task with jqlora.train: {s.lora_steps} steps x "
                             f"{s.lora_batch} packed rows of {s.seq_len} tokens, lr {s.lora_lr:g}, 4-bit base frozen")
-    write_json_atomic(run_dir / RUN_FILE, {
-        "format": RUN_FORMAT, "version": 1, "model": str(qdir.resolve()), "compute_dtype": "float32",
-        "backend": "auto", "lora": {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "dropout": lora_cfg.dropout,
-                                    "target_modules": list(lora_cfg.target_modules), "use_rslora": False},
-        "train": dataclasses.asdict(cfg)})
+    write_run_record(run_dir, {"model": str(qdir.resolve()), "compute_dtype": "float32", "backend": "auto",
+                               "lora": lora_record(lora_cfg), "train": dataclasses.asdict(cfg)})
     res = train(model, cfg)
     log(f"      loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}"
         + (f"; held-out eval loss {res.eval_losses[-1][1]:.4f}" if res.eval_losses else ""))
@@ -178,7 +174,7 @@ def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Ca
     log(f"      held-out REVERSE accuracy: before {acc_before:.1%} -> after {acc_after:.1%}")
     for e in _examples(rows_after):
         log(f"        {e}")
-    from jqlora.cli.peft_cmd import export_adapter
+    from jqlora.runs import export_adapter
 
     exp = export_adapter(run_dir, out / "adapter")
     log(f"      {exp['modules']} LoRA modules of step {exp['step']} -> {exp['adapter']} (PEFT format)")
@@ -218,6 +214,8 @@ def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Ca
         crosscheck=dict(passed=cc.passed, logits_rel=cc.logits.rel, logits_max_abs=cc.logits.max_abs,
                         max_layer_rel=max(d.rel for d in cc.layers), tolerance=cc.tolerance),
         adapter_roundtrip_max_abs=rt, seconds=dict(steps.times, total=round(total, 1)), ok=ok)
+    from interop.atomic_io import write_json_atomic
+
     write_json_atomic(out / "summary.json", summary)
     lines = [
         "", "=" * 78, "jqlora demo summary", "=" * 78,

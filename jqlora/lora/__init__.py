@@ -1,11 +1,14 @@
-"""NNX LoRA over frozen quantized weights: `QLoRALinear`, `LoraConfig`, `apply_lora`."""
+"""NNX LoRA over frozen quantized weights: `QLoRALinear`, `LoraConfig`, `apply_lora`.
+
+The names below are the public API; helpers (``lora_scale``, ``peft_lora_a_init``,
+``module_name_matches``, ...) stay importable from :mod:`jqlora.lora.linear` and
+:mod:`~jqlora.lora.config`.
+"""
 from jqlora.lora.apply import apply_lora, lora_params_by_module, named_linears, set_lora_params
-from jqlora.lora.config import DEFAULT_TARGETS, LoraConfig, module_name_matches
-from jqlora.lora.linear import (FrozenParam, QLoRALinear, QuantizedBase, base_shape, lora_scale,
-                                peft_lora_a_init)
+from jqlora.lora.config import DEFAULT_TARGETS, LoraConfig
+from jqlora.lora.linear import FrozenParam, QLoRALinear, QuantizedBase
 
 __all__ = [
-    "QLoRALinear", "QuantizedBase", "FrozenParam", "LoraConfig", "DEFAULT_TARGETS", "apply_lora",
-    "lora_params_by_module", "set_lora_params", "named_linears", "module_name_matches", "lora_scale",
-    "peft_lora_a_init", "base_shape",
+    "QLoRALinear", "LoraConfig", "apply_lora", "lora_params_by_module", "set_lora_params",
+    "named_linears", "QuantizedBase", "FrozenParam", "DEFAULT_TARGETS",
 ]

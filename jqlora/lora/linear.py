@@ -67,6 +67,30 @@ def peft_lora_a_init(key, rank: int, in_features: int, dtype=jnp.float32) -> jax
 class QLoRALinear(nnx.Module):
     """Frozen linear layer over a quantized or dense base, plus an optional LoRA branch.
 
+    ``y = x @ W.T + scale * (dropout(x) @ lora_A.T) @ lora_B.T + bias``, with ``W`` frozen and
+    only ``lora_A`` / ``lora_B`` (``nnx.LoRAParam``) trainable; ``scale`` is ``alpha / rank``
+    (``alpha / sqrt(rank)`` with rsLoRA). ``lora_B`` starts at zero, so a fresh branch changes
+    nothing.
+
+    Example::
+
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jqlora import quant
+      >>> from jqlora.lora import QLoRALinear
+      >>> w = jax.random.normal(jax.random.key(0), (32, 64))         # (out, in)
+      >>> layer = QLoRALinear(quant.quantize_4bit(w, "nf4"), rank=4, alpha=8, rngs=nnx.Rngs(0))
+      >>> layer(jnp.ones((2, 64))).shape
+      (2, 32)
+      >>> layer.lora_A.shape, layer.lora_B.shape                     # PEFT's layout
+      ((4, 64), (32, 4))
+      >>> [v.shape for v in jax.tree.leaves(nnx.state(layer, nnx.LoRAParam))]
+      [(4, 64), (32, 4)]
+
+    Unlike ``flax.nnx.LoRA``, whose ``lora_a`` is ``(in, r)`` and ``lora_b`` ``(r, out)``, the
+    matrices here are PEFT's ``lora_A (r, in)`` and ``lora_B (out, r)``, so they map 1:1 onto the
+    keys and shapes of a PEFT adapter file (``...q_proj.lora_A.weight``).
+
     Args:
       base: `Weight4bit`, `Int8Weight` or a dense (out, in) array (y = x @ W.T).
       rank: LoRA rank r; 0 gives a plain frozen linear layer (no LoRA params).
@@ -75,7 +99,8 @@ class QLoRALinear(nnx.Module):
         module is in eval mode (`model.eval()` / `nnx.view(model, deterministic=True)`).
       use_rslora: scale = alpha / sqrt(r) instead of alpha / r.
       bias: optional (out,) array, frozen, added last.
-      rngs: `nnx.Rngs`; `params` initialises A, `dropout` drives the dropout mask.
+      rngs: `nnx.Rngs`; `params` initialises A, `dropout` drives the dropout mask. Required
+        when rank > 0.
       compute_dtype: dtype of the matmul and of the output; None = the input's dtype.
       backend: passed to `jqlora.ops.qmatmul` ("auto", "pallas", "interpret", "xla").
       param_dtype: dtype of A and B (float32 by default).

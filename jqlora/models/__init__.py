@@ -1,13 +1,16 @@
-"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2, Qwen3) in Flax NNX over frozen quantized weights."""
+"""Llama-family causal LMs (Llama 2/3, Mistral, Qwen2, Qwen3) in Flax NNX over frozen quantized weights.
+
+The names below are the public API; the layers (``Attention``, ``DecoderLayer``, ``MLP``, ...) and
+helpers stay importable from :mod:`jqlora.models.llama`, :mod:`~jqlora.models.config` and
+:mod:`~jqlora.models.generate`.
+"""
 from jqlora.models.cache import KVCache
-from jqlora.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError, rope_inv_freq
-from jqlora.models.generate import generate, sample_token
-from jqlora.models.llama import (REMAT_POLICIES, Attention, CausalLM, DecoderLayer, Embedding, LlamaModel, MLP,
-                                 RMSNorm, from_params, init_params, segment_positions)
+from jqlora.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError
+from jqlora.models.generate import generate
+from jqlora.models.llama import REMAT_POLICIES, CausalLM, from_params, init_params
 from jqlora.models.loader import load_causal_lm
 
 __all__ = [
-    "CausalLM", "LlamaModel", "DecoderLayer", "Attention", "MLP", "RMSNorm", "Embedding", "KVCache",
-    "ModelConfig", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "REMAT_POLICIES", "from_params",
-    "init_params", "load_causal_lm", "generate", "sample_token", "segment_positions", "rope_inv_freq",
+    "CausalLM", "ModelConfig", "KVCache", "load_causal_lm", "from_params", "init_params", "generate",
+    "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "REMAT_POLICIES",
 ]

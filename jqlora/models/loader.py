@@ -28,12 +28,43 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
                    quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None, remat=False, *,
                    backend: str = "auto", param_dtype=None, int8_numerics: str = "weight_only",
                    attention: str = "einsum") -> CausalLM:
-    """Load an HF folder (bitsandbytes 4-bit, bitsandbytes 8-bit, or plain safetensors) as a
-    `CausalLM`. quantize ("nf4" | "fp4" | "int8") quantizes dense linear weights at load (an
-    already-quantized checkpoint keeps its own format). compute_dtype is the caller's choice,
-    never the checkpoint's dtype. lora: a `LoraConfig` to add LoRA (rngs default nnx.Rngs(0)).
-    Raises UnsupportedModelError for model types other than llama/mistral/qwen2/qwen3, and
-    KeyError naming the tensor when one is missing."""
+    """Load a Hugging Face checkpoint folder (bitsandbytes 4-bit, bitsandbytes 8-bit, or plain
+    safetensors) as a `CausalLM`.
+
+    Example::
+
+      >>> import tempfile, jax.numpy as jnp, interop
+      >>> from jqlora.lora import LoraConfig
+      >>> from jqlora.models import init_params, load_causal_lm
+      >>> config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+      ...           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128}
+      >>> with tempfile.TemporaryDirectory() as d:              # a tiny plain checkpoint
+      ...     _ = interop.save_bnb_checkpoint(f"{d}/tiny", init_params(config), config)
+      ...     model = load_causal_lm(f"{d}/tiny", lora=LoraConfig(rank=8), quantize="nf4",
+      ...                            compute_dtype=jnp.float32)
+      >>> model(jnp.zeros((1, 5), jnp.int32)).shape
+      (1, 5, 128)
+
+    Args:
+      path: the checkpoint folder (``config.json`` + ``model.safetensors`` or shards).
+      lora: a `LoraConfig` to add LoRA branches to its target modules; None for none.
+      compute_dtype: the dtype of activations and matmuls: the caller's choice, never the
+        checkpoint's dtype.
+      quantize: "nf4" | "fp4" | "int8" quantizes dense linear weights at load; an
+        already-quantized checkpoint keeps its own format.
+      rngs: `nnx.Rngs` for the LoRA init and dropout (default ``nnx.Rngs(0)``).
+      remat: per-layer rematerialization: False, True or a name in `REMAT_POLICIES`.
+      backend: the `jqlora.ops.qmatmul` backend of every linear layer.
+      param_dtype: cast the checkpoint's dense (non-quantized) tensors to this dtype; None
+        keeps the stored dtype.
+      int8_numerics: "weight_only" or "llm_int8" for 8-bit weights (see `QLoRALinear`).
+      attention: "einsum", "xla" or "cudnn".
+
+    Raises:
+      UnsupportedModelError: a model type other than llama/mistral/qwen2/qwen3.
+      KeyError: a tensor the architecture needs is missing (the message names it).
+      interop.CheckpointError: the files are malformed (the message names file and tensor).
+    """
     import interop  # noqa: PLC0415  (the only jqlora.models module that touches files)
 
     path = os.fspath(path)

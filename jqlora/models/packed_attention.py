@@ -2,9 +2,8 @@
 
 Packed training rows hold several documents; the einsum and "xla" paths express that as a boolean
 (B, T, T) mask (same segment, key slot <= query slot). Handed that mask, cuDNN reads it tile by
-tile and computes every tile under the diagonal, across documents too: at the 8B shape on an H200
-the step's attention took 27 ms with packing against 15 ms for plain causal rows (session 10).
-cuDNN's packed layout takes instead, per row, the length and start offset of each segment and runs
+tile and computes every tile under the diagonal, across documents too, so packed rows cost far
+more attention time than plain causal rows. cuDNN's packed layout takes instead, per row, the length and start offset of each segment and runs
 each as its own causal sequence, so no mask exists and cross-document tiles are skipped.
 
 A segment here is a maximal run of one nonzero id, the notion `segment_positions` already uses for
@@ -24,9 +23,8 @@ import numpy as np
 
 
 # Widest (B, M) segment table the train loop hands to cuDNN; wider rows keep the (T, T) mask.
-# H200, one 8B-shaped attention layer forward + backward, four documents in 2048 tokens
-# (benchmarks/packed_attention_probe.py): the mask 635 us; packed M = 4 209 us, M = 16 276 us,
-# M = 64 549 us; cuDNN's backward grows with M whatever the real number of segments.
+# cuDNN's packed backward grows with M whatever the real number of segments; up to this width it
+# still beats the mask at the 8B shape (evidence: benchmarks/results/JOURNAL.md).
 MAX_WIDTH = 64
 
 

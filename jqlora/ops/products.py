@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jqlora.ops.backends import Plan
+from jqlora.ops.dispatch import Plan
 from jqlora.quant import Int8Weight, Weight4bit, absmax_f32, dequantize
 
 _F32 = jnp.float32
@@ -61,8 +61,8 @@ def after(activation: jax.Array, q):
     """`q`, usable only once `activation` exists.
 
     Dequantization depends on nothing but the weight, so XLA's scheduler may hoist every layer's
-    (transient) dense weight to the start of the backward pass, all alive at once: a 32-layer
-    stack then peaks at ~27 dense weights (measured on an H200). Tying the weight to the
+    (transient) dense weight to the start of the backward pass, most of a deep stack's dense
+    weights then alive at once (benchmarks/results/JOURNAL.md). Tying the weight to the
     activation it multiplies keeps one layer's dense weight alive at a time.
     """
     return jax.lax.optimization_barrier((activation, q))

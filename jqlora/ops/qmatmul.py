@@ -3,7 +3,7 @@
 A frozen dense W (lm_head, tied embeddings, an unquantized base) goes through the same custom_vjp,
 so its backward runs in the compute dtype too.
 
-Invariants (DESIGN.md): the compute dtype is an argument (default: x's dtype), never the
+Invariants (docs/design.md): the compute dtype is an argument (default: x's dtype), never the
 checkpoint's stored dtype; inputs of any rank are flattened to 2-D here and only here; the
 backward pass saves the packed weight and its scales (plus x, A, B and x @ A.T for LoRA) and
 never a dense (N, K) weight; the frozen weight gets no gradient.
@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jqlora.ops.backends import Plan, choose_plan
+from jqlora.ops.dispatch import Plan, choose_plan
 from jqlora.ops.products import _dot_nn, _dot_nt, _precision, acc_dtype, backward_product, forward_product
 from jqlora.quant import Int8Weight, Weight4bit
 
@@ -52,8 +52,8 @@ def _weight_forward(st: _Static, x, q):
 def _weight_backward(st: _Static, dy, q, out_dtype):
     """dy @ W. A custom backward for the dense case too: autodiff of `dot(x, w, f32).astype(cd)`
     hands the transposed dot a float32 cotangent, so XLA widens W to float32 and runs a float32
-    GEMM (an 8B LM head's backward: 14.8 ms at 144 TFLOP/s on an H200, against 2.8 ms in bf16;
-    benchmarks/results README, session 12). dy's values are exact in the compute dtype."""
+    GEMM, several times slower than the compute-dtype one for an LM head
+    (benchmarks/results/JOURNAL.md). dy's values are exact in the compute dtype."""
     if isinstance(q, (Weight4bit, Int8Weight)):
         return backward_product(st.plan, dy, q, out_dtype=out_dtype)
     return _dot_nn(dy, q).astype(out_dtype)
@@ -80,10 +80,10 @@ _base.defvjp(_base_fwd, _base_bwd)
 def _hi_lo(u, dtype):
     """A float32 (M, r) as (M, 2r) in a 2-byte dtype: [round(u), round(u - round(u))], so the GEMMs
     over an (M, K) activation that contract u run on bf16 operands at nearly float32 accuracy
-    (about 16 bits of u). As one float32 operand, dx's LoRA term and dA were HIGHEST-precision
-    float32 GEMMs: 9.6 ms of an 8B training step at 0.5-1.1 TB/s on an H200; u rounded once to
-    bf16 (as PEFT's backward rounds it) made them fast but moved a cuDNN-vs-einsum LoRA gradient
-    check from under 5% to 6.5% (benchmarks/results README, session 12). Wider dtypes pass through."""
+    (about 16 bits of u). As one float32 operand, dx's LoRA term and dA are HIGHEST-precision
+    float32 GEMMs, slow at training shapes; u rounded once to bf16 (as PEFT's backward rounds it)
+    is fast but loosens the LoRA gradients past the cuDNN-vs-einsum check's tolerance
+    (benchmarks/results/JOURNAL.md). Wider dtypes pass through."""
     if jnp.dtype(dtype).itemsize != 2:
         return u
     hi = u.astype(dtype)
@@ -97,9 +97,8 @@ def _with_lora(st: _Static, scale: float, x, q, a, b):
 
 def _with_lora_fwd(st, scale, x, q, a, b):
     # Each branch is rounded to the compute dtype before the sum, as PEFT's bf16 layers do. A
-    # float32 (M, N) base + float32 LoRA term then one rounding cost two float32 (M, N) writes
-    # and reads per layer: 12 of the 235 ms of kernels in an 8B training step on an H200
-    # (benchmarks/results README, session 10).
+    # float32 (M, N) base + float32 LoRA term then one rounding would cost two float32 (M, N)
+    # writes and reads per layer (benchmarks/results/JOURNAL.md).
     base = _weight_forward(st, x, q)
     xa = _dot_nt(x, a).astype(x.dtype)  # (M, r): the only LoRA activation kept for backward
     y = base + (scale * _dot_nt(xa, b)).astype(st.out_dtype)
@@ -141,7 +140,8 @@ def qmatmul(
     q: a `Weight4bit`, an `Int8Weight` or a dense (N, K) array (frozen in every case).
     compute_dtype: dtype of the products and of the result; defaults to x's dtype.
     lora: optional (A (r, K), B (N, r), scale). Gradients flow to x, A and B.
-    backend: "auto" (Pallas on GPU, xla elsewhere), "pallas", "interpret" (Pallas on CPU) or "xla".
+    backend: "auto" (Pallas on GPU, xla elsewhere), "pallas", "interpret" (Pallas on CPU) or "xla";
+             which kernel each one runs: `jqlora.ops.dispatch` (docs/kernels.md).
     variant: force a named kernel variant from `pallas_kernels.registry` (kernel backends only).
     numerics: "weight_only" (default), or "llm_int8" to reproduce bitsandbytes' LLM.int8
               inference numerics for an Int8Weight (forward; the backward is weight-only).

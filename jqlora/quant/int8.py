@@ -13,8 +13,8 @@ INV_127 = 7.874015718698502e-3
 
 def torch_style_inverse_127(s: jax.Array) -> jax.Array:
     """torch's `127.0 / s` for s holding float16 values: fp32 reciprocal, then * 127 (two IEEE
-    roundings). This value decides exact .5 ties of the codes, and XLA's GPU value of it differed
-    from torch's in the last bit (H200), so it is looked up in a table of all 2**16 float16
+    roundings). This value decides exact .5 ties of the codes, and XLA's GPU value of it can
+    differ from torch's in the last bit, so it is looked up in a table of all 2**16 float16
     values computed by numpy's IEEE float32 (the same table as
     `pallas_kernels.triton.matmul_llm_int8.torch_inverse_127_of_f16`; this package imports no kernels)."""
     table_in = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)

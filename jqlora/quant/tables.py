@@ -1,4 +1,4 @@
-"""The code tables bitsandbytes uses, hard-coded to the bit (BNB_FORMAT.md §1.1, §6).
+"""The code tables bitsandbytes uses, hard-coded to the bit (docs/bnb_format.md §1.1, §6).
 
 Functions return fresh read-only numpy arrays: no shared mutable module state.
 Regenerating these with numpy differs from torch in the last ulp, so they are bit patterns.

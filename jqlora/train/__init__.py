@@ -1,20 +1,18 @@
-"""Training: JSONL data, AdamW + warmup/cosine, LoRA-only train loop, atomic checkpoints."""
-from .checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
-                         restore_checkpoint, save_checkpoint)
-from .data import (BatchIterator, DataError, Example, SpecialTokens, check_tokenizer_fits,
-                   load_jsonl, load_tokenizer, make_batch_iterator, parse_example,
-                   special_tokens, tokenize_example, tokenize_examples)
+"""Training: JSONL data, AdamW + warmup/cosine, LoRA-only train loop, atomic checkpoints.
+
+The names below are the public API; the rest stays importable from its module
+(:mod:`jqlora.train.data`, :mod:`~jqlora.train.step`, :mod:`~jqlora.train.checkpoint`, ...).
+"""
+from .checkpoint import CheckpointError, list_checkpoints, restore_checkpoint, save_checkpoint
+from .data import BatchIterator, DataError, load_tokenizer, make_batch_iterator, special_tokens
 from .frozen_jit import frozen_jit
-from .loop import (NonFiniteLossError, TrainConfig, TrainResult, evaluate, make_train_step,
-                   masked_cross_entropy, train, train_step, write_loss_plot)
+from .loop import NonFiniteLossError, TrainConfig, TrainResult, train
 from .optim import make_optimizer, make_schedule
+from .step import evaluate, train_step
 
 __all__ = [
-    "BatchIterator", "CheckpointError", "DataError", "Example", "NonFiniteLossError",
-    "SpecialTokens", "TrainConfig", "TrainResult", "check_tokenizer_fits", "evaluate", "frozen_jit",
-    "latest_checkpoint", "list_checkpoints", "load_jsonl", "load_tokenizer",
-    "make_batch_iterator", "make_optimizer", "make_schedule", "make_train_step",
-    "masked_cross_entropy", "parse_example", "restore_checkpoint", "save_checkpoint",
-    "special_tokens", "tokenize_example", "tokenize_examples", "train", "train_step",
-    "write_loss_plot",
+    "train", "TrainConfig", "TrainResult", "NonFiniteLossError", "train_step", "evaluate", "frozen_jit",
+    "make_optimizer", "make_schedule", "save_checkpoint", "restore_checkpoint", "list_checkpoints",
+    "CheckpointError", "BatchIterator", "make_batch_iterator", "load_tokenizer", "special_tokens",
+    "DataError",
 ]

@@ -7,9 +7,11 @@ Layout (``directory`` is the checkpoint root, e.g. ``<out_dir>/checkpoints``)::
 
 Keys are ``lora/<module path>``, ``rng/<module path>`` (``nnx.RngState``: dropout keys/counts) and
 ``opt/<optimizer state path>``, path parts joined with ``.``. Typed PRNG keys are stored as their
-``key_data`` (uint32) with the key implementation in the JSON; dtypes safetensors' numpy reader
-lacks (bfloat16, float8...) are stored as same-width unsigned ints with the real dtype in the JSON.
-No pickle anywhere.
+``key_data`` (uint32) with the key implementation in the JSON; dtypes numpy lacks (bfloat16,
+float8...) are stored as same-width unsigned ints with the real dtype in the JSON, so any
+safetensors reader loads the file. No pickle anywhere. The file is read and written by
+:mod:`interop.safetensors_io` (in memory, so that the checksum covers exactly the bytes written
+and read).
 
 Writing is atomic (:func:`interop.atomic_io.atomic_directory`): everything goes into a fresh
 ``.step_XXXXXXXX.tmp-*`` directory beside the target, files and directory are fsynced, then the
@@ -37,6 +39,8 @@ import numpy as np
 from flax import nnx
 
 from interop.atomic_io import atomic_directory, write_bytes_atomic
+from interop.errors import CheckpointError as _FileError
+from interop.safetensors_io import deserialize, serialize
 
 __all__ = [
     "CheckpointError",
@@ -137,8 +141,6 @@ def save_checkpoint(directory: str | os.PathLike, model, optimizer, data_state: 
     ``data_state`` and ``extra`` must be JSON-serializable. ``keep``: if set, delete all but the
     newest ``keep`` checkpoints once the new one is in place.
     """
-    import safetensors.numpy as stn
-
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     for pattern in (".step_*.tmp-*", ".step_*.old-*", ".tmp-step_*", ".tmp-old-step_*"):  # crashed saves
@@ -160,7 +162,7 @@ def save_checkpoint(directory: str | os.PathLike, model, optimizer, data_state: 
     }
     # re-saving a step (e.g. a resumed run) replaces the old one only once the new one is complete
     with atomic_directory(final, overwrite=True) as tmp:
-        blob = stn.save(arrays, metadata={"format": FORMAT})
+        blob = serialize(arrays, metadata={"format": FORMAT})
         write_bytes_atomic(tmp / ARRAYS_FILE, blob)
         state["arrays_sha256"] = hashlib.sha256(blob).hexdigest()
         write_bytes_atomic(tmp / STATE_FILE, json.dumps(state, indent=1, sort_keys=True, default=str).encode())
@@ -171,8 +173,6 @@ def save_checkpoint(directory: str | os.PathLike, model, optimizer, data_state: 
 
 
 def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    import safetensors.numpy as stn
-
     sfile, jfile = path / STATE_FILE, path / ARRAYS_FILE
     try:
         state = json.loads(sfile.read_text())
@@ -194,9 +194,9 @@ def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     if hashlib.sha256(blob).hexdigest() != state["arrays_sha256"]:
         raise CheckpointError(f"{jfile}: checksum mismatch (file corrupt or truncated)")
     try:
-        arrays = stn.load(blob)
-    except Exception as e:
-        raise CheckpointError(f"{jfile}: corrupt safetensors file: {e}") from None
+        arrays, _ = deserialize(blob, jfile)
+    except _FileError as e:
+        raise CheckpointError(f"corrupt safetensors file {e}") from None
     return state, arrays
 
 

@@ -478,8 +478,8 @@ class SegmentTables:
     (`jqlora.models.packed_attention.segment_runs`), so the model runs cuDNN's packed layout
     instead of a (T, T) mask. M is a power of two that only grows during a run (each new M
     compiles the step once more); a batch with more than `packed_attention.MAX_WIDTH` runs in a
-    row gets no table and keeps the mask (at M = 64 the packed layout was still faster, 549
-    against 635 us per 8B layer, and its cost grows with M; wider tables were not measured)."""
+    row gets no table and keeps the mask (the packed layout's cost grows with M; see
+    `packed_attention.MAX_WIDTH`)."""
 
     def __init__(self):
         self.width = 4

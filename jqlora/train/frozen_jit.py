@@ -3,9 +3,8 @@
 `nnx.jit` returns the whole state of every object it is given, so that Python-side updates
 propagate. For a model whose frozen weights (`FrozenParam`: packed 4-bit/int8 bases, embeddings,
 norms) never change, that makes every frozen array an output too, and XLA copies each one into a
-fresh output buffer on every call: one extra copy of the model at the step's peak (about 1 GiB at
-the Llama-3.2-1B shape, 5.6 GiB at 8B; measured with `compiled.memory_analysis()`, where the
-output size equalled the argument size). Here the objects are split once per call into
+fresh output buffer on every call: one extra copy of the model at the step's peak
+(`compiled.memory_analysis()` shows an output size equal to the argument size). Here the objects are split once per call into
 (frozen | everything else); the frozen part goes in as a plain argument and is never returned,
 and only the rest (LoRA params, optimizer state, RNG counts) is written back.
 
@@ -73,9 +72,9 @@ def frozen_jit(fn: Callable, *, nodes: int = 1, donate: bool = False) -> Callabl
         """``fn`` with its NNX objects bound: ``bound(*arrays)`` is ``wrapper(*objects, *arrays)``
         without the per-call graph traversal.
 
-        `nnx.split` and `nnx.update` walk the whole object graph on every call: about 90 ms of
-        host time per step for a 32-layer Llama (measured on a CPU host), during which the device
-        waits whenever the caller reads a result each step. A bound step splits once, keeps the
+        `nnx.split` and `nnx.update` walk the whole object graph on every call: host time that
+        grows with the number of Variables, during which the device waits whenever the caller
+        reads a result each step. A bound step splits once, keeps the
         live `Variable`s, and per call only reads their values and writes the new ones back.
         Contract (as with `nnx.cached_partial`): the objects' structure and static attributes
         (for example train/eval mode) are those at bind time; bind again after changing them.
@@ -87,7 +86,7 @@ def frozen_jit(fn: Callable, *, nodes: int = 1, donate: bool = False) -> Callabl
         paths, live = _paths_and_variables(mutable)
         bound_jit = _bound_jit(graphdef, paths)
 
-        # set_value copies the value tree and runs hooks, ~10 us per Variable; plain Variables
+        # set_value copies the value tree and runs hooks, per Variable per call; plain Variables
         # (no hooks, no array refs: every one in jqlora's models) take the raw assignment.
         setters = [v.set_value if _has_hooks_or_ref(v) else v.set_raw_value for v in live]
 

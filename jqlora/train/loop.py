@@ -1,16 +1,11 @@
-"""The training loop: LoRA-only gradients, grad accumulation, NaN guard, logging, checkpoints.
+"""The host side of training: ``TrainConfig``, ``TrainResult`` and :func:`train`, the loop that feeds
+batches to the compiled step (:mod:`jqlora.train.step`), logs, evaluates and checkpoints.
 
-One training step = ``grad_accum`` micro-batches of ``batch_size`` rows, one optimizer update.
-Inside one compiled step (:func:`frozen_jit`) the model is split into (LoRA params | RNG state | everything
-else); ``jax.value_and_grad`` differentiates only the LoRA part (frozen weights get no gradient and
-no optimizer state), and a ``lax.scan`` over the micro-batches sums the masked fp32 cross-entropy,
-the loss-token count and the gradients; the sums are divided by the token count once, so the
-result equals one big batch (see :mod:`jqlora.train.optim`).
-
-NaN/Inf guard: the step computes ``ok = isfinite(loss) & isfinite(grad_norm) & all new LoRA params
-finite`` and, when not ok, keeps the previous params and optimizer state (selected inside the jit).
-The host then raises :class:`NonFiniteLossError` naming the step; no checkpoint is written, so the
-last good one stays as it was.
+One training step = ``grad_accum`` micro-batches of ``batch_size`` rows, one optimizer update
+(:data:`~jqlora.train.step.train_step`). When a step reports a NaN/Inf loss, gradient norm or LoRA
+param, the step has kept the previous params and optimizer state; the host raises
+:class:`NonFiniteLossError` naming the step, and no checkpoint is written, so the last good one
+stays as it was.
 
 Outputs in ``out_dir``: ``loss.csv`` (step, loss, lr, tokens_per_s: one row per logged step),
 ``loss.png``, ``eval.csv`` (when evaluating) and ``checkpoints/step_XXXXXXXX``.
@@ -27,20 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from .checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
-from .frozen_jit import frozen_jit
-from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, CsvLog, write_loss_plot
 from .data import (BatchIterator, Example, SegmentTables, check_tokenizer_fits, load_jsonl,
                    load_tokenizer, parse_example, special_tokens, tokenize_examples)
+from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, CsvLog, write_loss_plot
 from .optim import make_optimizer, make_schedule
+from .step import evaluate, train_step
 
-__all__ = ["TrainConfig", "TrainResult", "NonFiniteLossError", "train", "make_train_step", "write_loss_plot",
-           "evaluate", "masked_cross_entropy"]
+__all__ = ["TrainConfig", "TrainResult", "NonFiniteLossError", "train"]
 
 CKPT_DIR = "checkpoints"
 
@@ -60,6 +52,9 @@ class NonFiniteLossError(FloatingPointError):
 
 @dataclasses.dataclass
 class TrainConfig:
+    """Everything one training run needs besides the model and data objects; also the fields of
+    ``jqlora train``'s config file. :meth:`validate` checks the counts."""
+
     data_path: str | None = None
     tokenizer_path: str | None = None
     seq_len: int = 512
@@ -102,6 +97,8 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class TrainResult:
+    """What :func:`train` did: per-step metrics of this call, evals, and the files written."""
+
     step: int                                  # last completed step
     steps: list[int]                           # steps run in this call
     losses: list[float]                        # their losses (mean over loss tokens)
@@ -115,155 +112,6 @@ class TrainResult:
     csv_path: Path
     png_path: Path | None
     stopped_early: bool = False
-
-
-# ----------------------------------------------------------------------------------------------
-# the compiled step
-# ----------------------------------------------------------------------------------------------
-
-def masked_cross_entropy(logits, targets, mask):
-    """-> (sum of per-token CE over mask, number of mask tokens); computed in float32."""
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    mask = mask.astype(jnp.float32)
-    return jnp.sum(ce * mask), jnp.sum(mask)
-
-
-def _global_norm(tree):
-    tree_norm = getattr(getattr(optax, "tree", None), "norm", None)
-    return tree_norm(tree) if tree_norm is not None else optax.global_norm(tree)
-
-
-# tokens per chunk of the LM head + cross-entropy. XLA's plan on an H200 at the 8B shape cut to 4
-# layers: 256 needs 1.7 GiB less temp memory than 512, and 128 no less than 256.
-LOSS_CHUNK = 256
-
-
-def chunked_cross_entropy(lm_logits, h, targets, mask, chunk: int = LOSS_CHUNK):
-    """masked_cross_entropy(lm_logits(h), ...) without ever holding all (B, T, vocab) logits.
-
-    The sequence is cut into chunks (the last one padded with masked tokens) and a `lax.scan`
-    applies the LM head + loss to one chunk at a time; each chunk's logits are recomputed in the
-    backward pass (jax.checkpoint). The scan makes "one chunk alive" a guarantee rather than a
-    scheduling accident: with independent per-chunk calls XLA may overlap several chunks. For a
-    128k vocabulary at 2048 tokens the full float32 logits alone would be 1 GB."""
-    b, t = targets.shape
-    if t <= chunk:
-        return masked_cross_entropy(lm_logits(h), targets, mask)
-    n = -(-t // chunk)
-    pad = n * chunk - t
-    if pad:
-        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-        mask = jnp.pad(mask, ((0, 0), (0, pad)))  # padded tokens carry no loss
-    chunks = lambda a: jnp.swapaxes(a.reshape(b, n, chunk, *a.shape[2:]), 0, 1)  # noqa: E731
-
-    @jax.checkpoint
-    def part(hc, tc, mc):
-        return masked_cross_entropy(lm_logits(hc), tc, mc)
-
-    def body(carry, xs):
-        s_, n_ = part(*xs)
-        return (carry[0] + s_, carry[1] + n_), None
-
-    zero = jnp.zeros((), jnp.float32)
-    (total, count), _ = jax.lax.scan(body, (zero, zero), (chunks(h), chunks(targets), chunks(mask)))
-    return total, count
-
-
-def _forward_sums(model, batch, loss_chunk: int = LOSS_CHUNK):
-    # A batch without segment_ids (unpacked, right-padded rows: see train()) runs plain causal
-    # attention, with no (T, T) mask.
-    kw = dict(positions=batch["positions"], segment_ids=batch.get("segment_ids"))
-    if hasattr(model, "lm_logits"):  # jqlora CausalLM: chunked LM head + loss
-        if "segment_lengths" in batch:  # packed rows for cuDNN's packed layout (see train())
-            kw["segment_runs"] = (batch["segment_lengths"], batch["segment_offsets"])
-        h = model(batch["input_ids"], return_hidden=True, **kw)
-        return chunked_cross_entropy(model.lm_logits, h, batch["targets"], batch["loss_mask"], loss_chunk)
-    logits = model(batch["input_ids"], **kw)
-    return masked_cross_entropy(logits, batch["targets"], batch["loss_mask"])
-
-
-def _train_step_impl(model, optimizer, batches, *, loss_chunk: int = LOSS_CHUNK):
-    graphdef, lora, rngs, rest = nnx.split(model, nnx.LoRAParam, nnx.RngState, ...)
-    old_lora = nnx.as_pure(lora)
-    old_opt = nnx.as_pure(nnx.state(optimizer))
-
-    def micro(lora_, rngs_, mb):
-        # copy=True: fresh Variables at this trace level (dropout mutates the RNG counts)
-        m = nnx.merge(graphdef, lora_, rngs_, rest, copy=True)
-        s, n = _forward_sums(m, mb, loss_chunk)
-        return s, (n, nnx.state(m, nnx.RngState))
-
-    grad_fn = jax.value_and_grad(micro, has_aux=True)  # w.r.t. the LoRA state only
-
-    def body(carry, mb):
-        gsum, lsum, nsum, rngs_ = carry
-        (s, (n, rngs_)), g = grad_fn(lora, rngs_, mb)
-        gsum = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), gsum, g)
-        return (gsum, lsum + s, nsum + n, rngs_), None
-
-    zero = jnp.zeros((), jnp.float32)
-    # gradients are accumulated in float32 whatever the LoRA dtype, then cast back
-    init = (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), lora), zero, zero, rngs)
-    (gsum, lsum, nsum, rngs), _ = jax.lax.scan(body, init, batches)
-    denom = jnp.maximum(nsum, 1.0)
-    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), gsum, lora)
-    loss = lsum / denom
-    grad_norm = _global_norm(grads)
-
-    nnx.update(model, rngs)
-    optimizer.update(model, grads)
-    new_lora = nnx.as_pure(nnx.state(model, nnx.LoRAParam))
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    for leaf in jax.tree.leaves(new_lora):
-        ok &= jnp.all(jnp.isfinite(leaf))
-    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-    nnx.update(model, jax.tree.map(keep, new_lora, old_lora))
-    nnx.update(optimizer, jax.tree.map(keep, nnx.as_pure(nnx.state(optimizer)), old_opt))
-    return {"loss": loss, "grad_norm": grad_norm, "ntokens": nsum, "ok": ok}
-
-
-# frozen_jit, not nnx.jit: the frozen weights stay inputs only (nnx.jit would copy the whole model
-# into its outputs every step); the LoRA params and optimizer state are donated and updated in place.
-train_step = frozen_jit(_train_step_impl, nodes=2, donate=True)
-train_step.__doc__ = """``train_step(model, optimizer, batches) -> metrics`` (compiled with `frozen_jit`).
-
-``batches``: dict of arrays shaped ``(grad_accum, batch, seq_len)``. Returns device scalars
-``loss`` (mean CE over loss tokens), ``grad_norm`` (before clipping), ``ntokens`` (loss tokens),
-``ok``. Updates the model (LoRA params, RNG state) and the optimizer in place, unless not ok, in
-which case both keep their previous values. Compiled once per model structure/optimizer/shape
-(``make_optimizer`` is memoized so equal configs share the compiled step). The LoRA params and
-optimizer state are donated: arrays of them taken out of the model before a step are invalid after
-it (copy them first, e.g. ``jax.tree.map(jnp.copy, nnx.state(model, nnx.LoRAParam))``)."""
-
-
-def make_train_step():
-    """The compiled train step (kept for API symmetry; see :data:`train_step`)."""
-    return train_step
-
-
-def _eval_step_impl(model, batch):
-    return _forward_sums(model, batch)
-
-
-_eval_step = frozen_jit(_eval_step_impl)
-
-
-def evaluate(model, batches, *, max_batches: int | None = None) -> float:
-    """Mean masked cross-entropy over ``batches`` with the model in eval mode (dropout off)."""
-    model.eval()
-    try:
-        step = _eval_step.bind(model)  # bound after eval(): the graph split once, not per batch
-        total, ntok = 0.0, 0.0
-        for i, b in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
-            s, n = step({k: jnp.asarray(v) for k, v in b.items()})
-            total += float(s)
-            ntok += float(n)
-    finally:
-        model.train()
-    return total / ntok if ntok else float("nan")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,29 +212,39 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
           resume: bool | None = None) -> TrainResult:
     """Train the model's ``nnx.LoRAParam`` variables in place; everything else stays frozen.
 
-    ``data``/``eval_data``: None (use ``config.data_path``/``eval_data_path``), a JSONL path, a
-    list of example dicts, or a :class:`BatchIterator`-like object (``__next__``, ``state_dict``,
-    ``load_state_dict``; its own batch size is used). ``tokenizer``: a ``tokenizers.Tokenizer``
-    (default: loaded from ``config.tokenizer_path``).
-
-    ``on_step(step, metrics)`` runs after each step (after logging and checkpointing); returning
-    ``False`` stops training (a checkpoint is written for that step). An exception raised by it
-    propagates (the run can be resumed from the last checkpoint).
-
     Steps overlap with the host: without ``on_step``, step N's metrics are read (and logged) after
     step N + 1 is dispatched, except at checkpoints, evals and the last step, where the host waits
     for the step before going on. So when a NaN/Inf stops training at step N, the next step may
     already have updated the in-memory model; checkpoints never contain it. With ``on_step`` every
     step is finished before the next is dispatched, so the callback sees that step's model.
 
-    ``resume`` (default ``config.resume``): continue from the newest checkpoint in
-    ``out_dir/checkpoints`` (fresh start if there is none). Without it, an ``out_dir`` that already
-    holds checkpoints is refused (FileExistsError) rather than overwritten.
+    Args:
+      model: an NNX model with ``nnx.LoRAParam`` variables (e.g. from
+        ``jqlora.models.load_causal_lm(..., lora=LoraConfig(...))``).
+      config: the run's :class:`TrainConfig`. ``config.remat`` (True or a policy name) is handed
+        to the model (``set_remat()``, its ``remat`` attribute, or ``config.remat``); a model
+        with none of these gets a warning.
+      data: None (use ``config.data_path``), a JSONL path, a list of example dicts, or a
+        :class:`BatchIterator`-like object (``__next__``, ``state_dict``, ``load_state_dict``;
+        its own batch size is used).
+      tokenizer: a ``tokenizers.Tokenizer`` (default: loaded from ``config.tokenizer_path``).
+      eval_data: like ``data``, for evaluation (default ``config.eval_data_path``).
+      on_step: ``on_step(step, metrics)`` runs after each step (after logging and
+        checkpointing); returning ``False`` stops training (a checkpoint is written for that
+        step). An exception raised by it propagates (the run can be resumed from the last
+        checkpoint).
+      resume: (default ``config.resume``) continue from the newest checkpoint in
+        ``out_dir/checkpoints`` (fresh start if there is none). Without it, an ``out_dir`` that
+        already holds checkpoints is refused rather than overwritten.
 
-    ``config.remat`` (True or a policy name): handed to the model (``set_remat()``, its ``remat``
-    attribute, or ``config.remat``); a model with none of these gets a warning.
+    Returns:
+      A :class:`TrainResult` with the steps run, their metrics and the newest checkpoint.
 
-    Raises :class:`NonFiniteLossError` on NaN/Inf (the last good checkpoint is kept).
+    Raises:
+      NonFiniteLossError: a step's loss, gradient norm or new LoRA params were NaN/Inf (the last
+        good checkpoint is kept).
+      FileExistsError: ``out_dir`` already holds checkpoints and ``resume`` is off.
+      ValueError: no LoRA params, no data or tokenizer, or ``eval_every`` without eval data.
     """
     config.validate()
     resume = config.resume if resume is None else resume
@@ -527,8 +385,8 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
         batch_state = it.state_dict()  # the data position once this batch is consumed
         t_prev = window_t0 = time.perf_counter()
         # One step in flight: between checkpoints and evals the host reads step N's metrics only
-        # after dispatching step N + 1, so the host's own per-step time (dispatch, metrics, logging:
-        # about 13 ms per 8B step on an H200) overlaps the device's work instead of adding to it.
+        # after dispatching step N + 1, so the host's own per-step time (dispatch, metrics,
+        # logging) overlaps the device's work instead of adding to it.
         pending = None
         for step in range(start + 1, config.steps + 1):
             dispatched = (step, step_fn(batch), ntok_next, batch_state)  # async dispatch

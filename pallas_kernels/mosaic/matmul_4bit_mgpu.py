@@ -1,11 +1,11 @@
 """4-bit matmul on Hopper through Pallas' Mosaic GPU lowering: y = x @ dequant(W).T with the
 weight decoded in registers and fed to warpgroup MMAs (wgmma) as their register operand.
 
-Why another kernel: at M >= 128 `qmatmul` ran a dequant pass + cuBLAS (`dequant_dot`), which
-costs 1 + dequant / GEMM (1.7-2.4x bf16 at M = 128), and the Triton lowering's fused kernel
-never overlapped its decode with the MMA (session 9). Mosaic GPU gives the Hopper structure: a
-memory warpgroup streams tiles with TMA while two compute warpgroups each decode their weight
-tile and issue wgmma, so one warpgroup's decode can run under the other's MMA.
+Why: a dequant pass + cuBLAS (`dequant_dot`) pays the dense weight's bytes on top of the GEMM,
+and the Triton lowering's fused kernels do not overlap their decode with the MMA. Mosaic GPU
+gives the Hopper structure: a memory warpgroup streams tiles with TMA while two compute
+warpgroups each decode their weight tile and issue wgmma, so one warpgroup's decode can run
+under the other's MMA.
 
 The product is computed transposed, y.T (N, M) = W (N, K) . x.T, because only the left wgmma
 operand may come from registers. Per compute warpgroup and K step (64 or 128 columns):
@@ -26,38 +26,18 @@ rejects that store) write fp32 / 16-bit tiles of y.T that XLA sums and transpose
 reaches the kernel as an int4 view of the packed bytes (an XLA bitcast, `s4[...]{E(4)}`):
 Mosaic keeps each byte whole through its relayout, and the lookup reads the high nibble as the
 even column (bitsandbytes' order). Double-quantized scales are de-nested by XLA first
-((K / blocksize, N) float32, 1/16 of the packed bytes at blocksize 64), or, where a thread has
-at most 8 of a tile's scales, by the kernel itself once per tile into shared memory
-(`mgpu_decode.scale_denester`, `denests_in_kernel`).
-
-Measured (H100, session 14; benchmarks/results README): 0.66-0.88x bf16 at M = 16, 0.67-0.80
-at M = 64, 0.79-0.98 at M = 128 (dequant_dot: 1.74-2.44), 1.25-1.45 at M = 1024; at M = 2048
-1.25-1.31 against dequant_dot's 1.20-1.21, so `auto` stops at 1024. Each warpgroup waits for
-its MMA before decoding the next tile: waiting for the previous step's only (`wgmma_wait(1)`,
-slots released a step late) gave NaN, the A registers being reused under the running MMA.
-
-What limits it (Nsight Compute, H100, session 15, 4096x14336): issue, not bytes. At M = 16 the
-kernel runs 6.1 thread instructions per weight (byte permutes 2.1, lop3 0.8, quad and relayout
-shuffles 0.75, the table products 0.25, address and loop arithmetic about 1.3), with 12 warps
-per SM (one CTA: the 168 registers a thread of 3 warpgroups gets), 2 of them decoding per
-scheduler: 0.54 instructions issued per scheduler cycle, DRAM at 37% of peak. M = 128: the same
-6.1 per weight, 30% of issue slots busy, DRAM 28%. Deeper pipelines (6, 8 steps), 256-column
-steps and 128-row warpgroups were no faster (s15). Four compute warpgroups (two per row group,
-each half of a step's columns, `Config.k_wgs = 2`) run (s16, bit for bit) with 20 warps per SM
-and 47% of issue slots busy, but execute 7.0 instructions per weight and are no faster
-(M = 16: 0.905 / 0.676 / 0.668 x bf16 against the default's 0.888 / 0.671 / 0.670). The ALU pipe
-is the busiest: 46% of elapsed cycles (66% of the cycles the SMs are active), 51% with k_wgs = 2.
-Both kernels keep the 16-entry code table in registers, loaded once per tile
-(`mgpu_decode.code_loader`): -0.5 to -2.4 us a call against a per-step block (s16).
-
-K splits need not divide the steps (session 22, as in the MMA kernel): each split runs a window
-of ceil(steps / splits) steps, the last moved back to end at K, skipping (`pl.when`) the steps
-the split before it took (`mgpu_pipeline.split_windows`).
+((K / blocksize, N) float32), or, where a thread has at most 8 of a tile's scales, by the kernel
+itself once per tile into shared memory (`mgpu_decode.scale_denester`, `denests_in_kernel`).
+Each warpgroup waits for its MMA before decoding the next tile: the decode reuses the A
+registers the MMA reads. The code table rides in registers, loaded once per tile
+(`mgpu_decode.code_loader`). K splits need not divide the steps: each split runs a window of
+ceil(steps / splits) steps, the last moved back to end at K, skipping (`pl.when`) the steps the
+split before it took (`mgpu_pipeline.split_windows`).
 
 Hopper only (sm_90), no interpret mode. CPU checks: the two PTX programs run in a PTX
 interpreter in the tests (`tests/test_kernels_4bit_mgpu.py`), `mgpu_decode.emulate_lookup_words`
-/ `emulate_table_words` are their jnp twins, and the kernel lowers for CUDA on CPU (jax 0.10 and
-0.11); the compiled suite checks it on the GPU, bit for bit through an identity product.
+/ `emulate_table_words` are their jnp twins, and the kernel lowers for CUDA on CPU; the compiled
+suite checks it on the GPU, bit for bit through an identity product.
 """
 from __future__ import annotations
 
@@ -90,9 +70,8 @@ class Config:
     wg_rows: int = 64  # weight rows per compute warpgroup (64 or 128)
     # compute warpgroups per row group, each taking tile_k / k_wgs columns of every step (1 or
     # 2). 2 runs four compute warpgroups with 96 registers each, doubling the warps that hide
-    # the decode's latency; their fp32 partials are summed by XLA like K splits. Correct on the
-    # H100 but no faster (s16: within 0.02 x bf16 at M = 16, 0.02-0.07 slower at M = 64), so
-    # `default_config` never picks it
+    # the decode's latency; their fp32 partials are summed by XLA like K splits. Correct but
+    # measured no faster (docs/kernels.md), so `default_config` never picks it
     k_wgs: int = 1
 
 
@@ -151,11 +130,9 @@ def denests_in_kernel(n: int, k: int, blocksize: int, cfg: Config) -> bool:
             and smem_bytes(cfg, blocksize, denest_k=k) <= SMEM_LIMIT)
 
 
-# scales a thread de-nests per tile, at most. Measured against XLA de-nesting first (H100,
-# s16, `benchmarks.kernel_breakdown`, whole call): 8 a thread (4096 x 4096, 4 K splits) gained
-# 1.4 us at M = 16 (12.2 -> 10.8) and 1.0 us at M = 128; 28-32 a thread (4096 x 14336,
-# 14336 x 4096) lost 0.8-3.8 us: the kernel grew by 4.2-6.8 us, more than the XLA fusion it
-# replaces. Why the per-tile work costs that much is not understood (not profiled).
+# scales a thread de-nests per tile, at most: with more, de-nesting in XLA first is faster (the
+# kernel grows by more than the XLA fusion it replaces; why is not understood). Chosen by
+# measurement: docs/kernels.md
 _DENEST_MAX_PER_THREAD = 8
 
 
@@ -213,13 +190,11 @@ def _window_cols(k: int, cfg: Config) -> int:
 
 
 def default_config(m: int, n: int, k: int, blocksize: int) -> Config:
-    """The tile config `qmatmul` uses, from the H100 sweeps of session 14 (benchmarks/results,
-    `..._s14_mgpu_*`): the token tile is the smallest of 16/32/64/128 holding M, or 256 once
-    that still leaves about 100 CTAs (above M = 128; at 4096x14336, M = 256: 1.17x bf16 against
-    1.66x with 128 tokens); K splits fill the SMs up to one wave (4096x4096, M = 128: 4 splits
-    1.00x, 1 split 1.94x), whether or not they divide the steps (`split_windows`: K = 11008
-    takes 4, where dividing splits left 2); 128-column K steps where the tile is 128 tokens or
-    fewer."""
+    """The tile config `qmatmul` uses (chosen by measurement: docs/kernels.md): the token tile
+    is the smallest of 16/32/64/128 holding M, or 256 once that still leaves about 100 CTAs
+    (above M = 128); K splits fill the SMs up to one wave, whether or not they divide the steps
+    (`split_windows`: K = 11008 takes 4, where dividing splits leave 2); 128-column K steps
+    where the tile is 128 tokens or fewer."""
     if m <= 64:
         tile_m = max(16, 1 << max(0, (m - 1).bit_length()))
     elif m <= 128 or -(-m // 256) * (n // 128) < 100:
@@ -415,10 +390,9 @@ def _call(x, w4, scales, code, *, blocksize: int, cfg: Config, nest=None):
                         w = load_tile(plgpu, w_smem, wg_rows, plgpu.Layout.WGMMA_UPCAST_4X)
                         a = decode(w, s_wg, codes)
                         plgpu.wgmma(acc, a, x_smem.T)
-                        # wait(1) with slots released a step late (decode of step k + 1 under
-                        # this warpgroup's own MMA k) gave NaN on the H100 (s14-6) and wrong
-                        # values past 32 tokens (s22-9): the A registers are reused while the
-                        # MMA still reads them
+                        # wait(0): wait(1) with slots released a step late (decode of step
+                        # k + 1 under this warpgroup's own MMA k) gives NaN and wrong values
+                        # past 32 tokens: the A registers are reused while the MMA reads them
                         plgpu.wgmma_wait(0)
 
                     if uneven:  # the moved-back window's steps the split before took
@@ -466,5 +440,7 @@ VARIANTS = (
         reference=matmul_4bit_reference, supports=supports, accepts_nested=True,
         description="Hopper Mosaic GPU: warp-specialized TMA pipeline, 4-bit tile decoded in "
                     "registers (per-row scaled byte-plane tables, byte permutes) as the wgmma "
-                    "register operand; y.T = W . x.T"),
+                    "register operand; y.T = W . x.T",
+        numerics="rounded_weight", status="default", config_type=Config,
+        default_config=default_config),
 )

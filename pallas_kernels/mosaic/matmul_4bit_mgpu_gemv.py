@@ -1,16 +1,16 @@
 """4-bit GEMV on Hopper (Mosaic GPU) for M <= 2: y = x @ dequant(W).T from a byte-pair table.
 
-Why: at M = 1 the Triton GEMV (`matmul_4bit_gemv`) moved the weight at 41% of the copy
-bandwidth (H100, s16: 25.7 us for 30.3 MB at 4096x14336), bound by its decode: 6.9 instructions
-per weight (one fp32 table gather per nibble, H200 ncu). Here a thread turns each packed byte
-(two weights) into both fp32 codes with one shared-memory load from a 256-entry table of code
-pairs, (code[b >> 4], code[b & 15]), and multiplies them into x by two fused multiply-adds:
+Why: at M = 1 the Triton GEMV (`matmul_4bit_gemv`) moves the weight well below the copy
+bandwidth, bound by its decode (one fp32 table gather per nibble). Here a thread turns each
+packed byte (two weights) into both fp32 codes with one shared-memory load from a 256-entry
+table of code pairs, (code[b >> 4], code[b & 15]), and multiplies them into x by two fused
+multiply-adds:
 
     per byte: prmt (byte to the table offset), add (the lane's column), ld.shared.v2.f32, 2 fma
 
-about 2.5 instructions per weight on paper; 4.0 measured, with index, x-conversion and
-pipeline-wait work (H100 ncu, s17-7). The table is replicated once per lane, laid out so that lane
-l only ever reads bank pair (2l, 2l + 1) mod 32: every lookup of a warp is conflict-free whatever
+about 2.5 instructions per weight on paper, plus index, x-conversion and pipeline-wait work.
+The table is replicated once per lane, laid out so that lane l only ever reads bank pair
+(2l, 2l + 1) mod 32: every lookup of a warp is conflict-free whatever
 the bytes are (a 256-entry table shared by the lanes puts 3-4 of 32 random lookups in one bank).
 That costs 256 x 32 x 8 = 64 KiB of shared memory per CTA, written once per tile (each compute
 warpgroup its share, then a named barrier).
@@ -28,14 +28,8 @@ thread's 32 x values serve all its 8 rows. Each step a thread loads its 8 rows' 
 global memory and de-nests them for double quant (bitsandbytes' two roundings, as the wgmma
 kernel); `GemvConfig(staged_scales=True)` instead stages the tile's scales into shared memory
 first (coalesced), measured no faster. At the end of a tile the 8 lanes of a row sum their
-partials by shuffles; with K splits the fp32 partials are summed by XLA.
-
-Measured (H100, s17-10, ratio to the bf16 GEMV at 4096x4096 / 4096x14336 / 14336x4096): M = 1
-0.60 / 0.47 / 0.45 (Triton GEMV 0.71 / 0.63 / 0.62), M = 2 0.68 / 0.48 / 0.50 (0.97 / 0.70 /
-0.75). Versions and what limits it: benchmarks/results/README.md, sessions 17 to 19. Since
-session 19 `auto` runs it only for shapes `matmul_4bit_mgpu_mma` declines (blocksize 32, N not a
-multiple of 256): with its bank conflicts fixed that kernel is faster at M = 1 too (H200 s19-2:
-0.72 / 0.54 / 0.53 x bf16 against this kernel's 0.74 / 0.59 / 0.59).
+partials by shuffles; with K splits the fp32 partials are summed by XLA. `auto` runs it for
+the shapes `matmul_4bit_mgpu_mma`, faster at M = 1 too, declines (docs/kernels.md).
 
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` re-runs the
 kernel's thread mapping, table layout and block sums in numpy against the reference, the PTX
@@ -74,22 +68,17 @@ class GemvConfig:
     stages: int = 2  # pipeline depth of the memory warpgroup (32 KiB of weight a stage)
     # compute warpgroups: 2 (128 rows, 8 a thread) or 4 (64 rows, 4 a thread). 4 doubles the
     # warps that hide latency but halves the rows one thread's 32 x values serve; measured
-    # slower (H100 s17-4, staged scales, M = 1: 0.684 / 0.521 / 0.474 x bf16 against 0.647 /
-    # 0.488 / 0.448)
+    # slower (docs/kernels.md)
     wgs: int = 2
     # True: the tile's scales staged (de-nested) into shared memory at the start of a tile.
-    # False: each step loads and de-nests its own scales from global memory. Same run (H100
-    # s17-10, ratio to bf16, staged against per step): M = 1 0.647 / 0.488 / 0.447 against
-    # 0.603 / 0.473 / 0.451, M = 2 0.721 / 0.480 / 0.490 against 0.681 / 0.483 / 0.503: per
-    # step wins at 4096x4096 (2 steps a CTA: the staging is one more round trip before the
-    # first), the rest is within run-to-run spread
+    # False: each step loads and de-nests its own scales from global memory: no slower, and
+    # faster with few steps a CTA, where the staging is one more round trip before the first
+    # (chosen by measurement: docs/kernels.md)
     staged_scales: bool = False
     # True: a step loads the 16-byte chunks of all its rows first, then runs word q of every
     # row before word q + 1 (the rows' fma chains are independent: more loads in flight per
-    # warp), and applies the scales last. False: row by row. Same sums in the same order.
-    # H100 s18-3, ratio to bf16, against row by row: M = 1 0.605 / 0.465 / 0.439 against 0.603
-    # / 0.467 / 0.451, M = 2 0.680 / 0.511 / 0.487 against 0.686 / 0.508 / 0.499: one run,
-    # within spread except 14336x4096
+    # warp), and applies the scales last. False: row by row. Same sums in the same order;
+    # measured no faster (docs/kernels.md)
     interleave: bool = False
 
     @property
@@ -119,11 +108,9 @@ def scale_stride(split_cols: int) -> int:
 
 def default_config(m: int, n: int, k: int, blocksize: int) -> GemvConfig:
     """K splits: the most that divide the K steps and keep the CTAs within one wave of SMs;
-    a 2-stage pipeline (H100 s17-10, ratio to bf16 at 4096x4096 / 4096x14336 / 14336x4096,
-    against 3 stages: M = 1 0.603 / 0.473 / 0.451 against 0.610 / 0.501 / 0.462, M = 2 0.681 /
-    0.483 / 0.503 against 0.684 / 0.511 / 0.524; with staged scales likewise, s17-4): two
-    32 KiB stages keep enough bytes in flight, and a smaller carve-out leaves more L1 for the
-    scale loads. `m` is unused (kept for the signature the other kernels' defaults have)."""
+    a 2-stage pipeline (chosen by measurement: docs/kernels.md): two 32 KiB stages keep enough
+    bytes in flight, and a smaller carve-out leaves more L1 for the scale loads. `m` is unused
+    (kept for the signature the other kernels' defaults have)."""
     del m
     n_tiles, k_iters = n // CTA_ROWS, k // TILE_K
     splits = 1
@@ -175,8 +162,8 @@ def word_ptx(m: int) -> str:
     $0..$(2m-1): the running even / odd sums of each x row (tied to the last 2m inputs);
     then the word, the lane's table address, and per x row its 4 even then 4 odd values.
     (One prmt putting the byte into bits 8-15 of the lane's address would save the add, but
-    needs the table 64 KiB-aligned: Mosaic's shared memory starts at 3072 on the H100, s18-2,
-    `benchmarks.mgpu_gemv_probe smem-base`.)"""
+    needs the table 64 KiB-aligned, and Mosaic's shared memory does not start at such an
+    address.)"""
     n_out = 2 * m
     w, tb = f"${n_out}", f"${n_out + 1}"
     xv = lambda r, i: f"${n_out + 2 + 8 * r + i}"  # i < 4: even column of byte i; else odd
@@ -320,8 +307,8 @@ def _pieces(plgpu, m: int, dtype, blocksize: int, cols: int, split_cols: int, ne
         """This warpgroup's scales of the tile (wg_rows x split_cols, global) into shared
         memory, row-major with `s_stride` floats a row: element e = t + 128 i is (row
         e // split_cols, column e % split_cols), so a warp's loads are coalesced and its
-        stores nearly conflict-free. (Row-per-thread loads, 32 rows a warp instruction, made
-        the kernel 7-8 us slower at 28 scales a thread: H100, s17-3.)"""
+        stores nearly conflict-free. (Row-per-thread loads, 32 rows a warp instruction, are
+        slower.)"""
         del ctx
         *nest_refs, dst_ref = rest
         tid, *_ = thread()
@@ -546,5 +533,7 @@ VARIANTS = (
         description="Hopper Mosaic GPU GEMV (M <= 2): TMA-streamed packed tiles, each byte's two "
                     "fp32 codes from one conflict-free shared-memory load of a lane-replicated "
                     "256-entry pair table, two fma per byte, fp32 block sums times absmax "
-                    "(de-nested in-kernel)"),
+                    "(de-nested in-kernel)",
+        numerics="fp32_weight", status="default", config_type=GemvConfig,
+        default_config=default_config),
 )

@@ -1,82 +1,42 @@
 """4-bit product for small M (<= 64) on Hopper (Mosaic GPU): y = x @ dequant(W).T, each packed
 byte decoded by one shared-memory load straight into a tensor-core operand (mma.sync m16n8k16).
 
-Why: the pair-table GEMV (`matmul_4bit_mgpu_gemv`) spends two fp32 fma per weight and runs at
-about 4 instructions per weight; the wgmma kernel (`matmul_4bit_mgpu`) decodes with byte
-permutes at 6.1 instructions per weight (H100 ncu, s15-s17). Both are issue-bound at M <= 16.
-Here a byte's two codes come as one 32-bit word of two 16-bit codes, (code[hi], code[lo]) in
-x's dtype, from a 256-entry pair table replicated per lane (entry b of lane l at byte
-256 b + 4 l: conflict-free whatever the bytes), and that word *is* one register of the A
-fragment of an m16n8k16 MMA: the multiply-adds run on the tensor core. Per byte: prmt, add, one
-load; the scale is applied to each 64-column group's fp32 MMA result (one fma per output), so
-the table holds the bare codes.
+Why: the pair-table GEMV (`matmul_4bit_mgpu_gemv`) spends two fp32 fma per weight and the wgmma
+kernel (`matmul_4bit_mgpu`) decodes with byte permutes; both are issue-bound at small M. Here a
+byte's two codes come as one 32-bit word of two 16-bit codes, (code[hi], code[lo]) in x's dtype,
+from a 256-entry pair table replicated per lane (entry b of lane l at byte 256 b + 4 l:
+conflict-free whatever the bytes), and that word *is* one register of the A fragment of an
+m16n8k16 MMA: the multiply-adds run on the tensor core. Per byte: prmt, add, one load; the scale
+is applied to each 64-column group's fp32 MMA result (one fma per output), so the table holds
+the bare codes.
 
-Numerics: the codes are rounded to x's dtype (bf16: relative error <= 2^-9 per code), the
+Numerics: the codes are rounded to x's dtype (bf16: relative error <= 2^-8 per code), the
 products and sums are the tensor core's fp32, and absmax multiplies each 64-column group's
 sum in fp32. bitsandbytes instead rounds code * absmax to x's dtype (the same size of error, not
 the same bits). Oracle: `matmul_4bit_mma_reference` (codes rounded the same way).
 
 Layout: a CTA takes 256 weight rows (two compute warpgroups, four warps each, 32 rows a warp:
 two m16 tiles) of one K split; a memory warpgroup streams (256 rows x 128 bytes) weight tiles
-and (M x 256) x tiles with TMA (the GEMV's pipeline). The MMA's K order is permuted within each
-64-column group so that lane (g, t) of a warp loads 8 contiguous bytes of its rows, g and g + 8:
-k16 step s of group q takes bytes 8 t + 2 s (columns 2t, 2t + 1 of the MMA) and 8 t + 2 s + 1
-(columns 2t + 8, 2t + 9), i.e. weight columns 64 q + 16 t + 4 s + (0, 1) and (2, 3); the x
-fragment follows the same order, so lane (g, t) reads x columns 64 q + 16 t .. + 15 of token g
-(tokens 8..15 a second n8 tile). K splits are summed by XLA, as in the GEMV.
+and (M x 256) x tiles with TMA. The MMA's K order is permuted within each 64-column group so
+that lane (g, t) of a warp loads 8 contiguous bytes of its rows g and g + 8: k16 step s of group
+q takes weight columns 64 q + 16 t + 4 s + (0, 1) and (2, 3); the x fragment follows the same
+order, and up to eight n8 tiles of tokens share the A fragments of each lookup. The weight tile
+has the 128-byte swizzle and MMA row g reads tile row 2 (g % 4) + g // 4, so a half-warp's
+8-byte loads cover all 32 banks; lanes of odd g read the second half of their x piece first
+(`x_swap`). `mgpu_mma_layout` holds this geometry (`MmaConfig`) and address arithmetic in numpy
+for the CPU tests; `mgpu_mma_pieces` the PTX programs and the Mosaic pieces.
 
-Shared-memory banks (session 19): TMA stores the weight tile with the 128-byte swizzle, and
-MMA row g of each 8 reads tile row `tile_row(g)` = 2 (g % 4) + g // 4, so a half-warp's four
-rows (0, 2, 4, 6 or 1, 3, 5, 7 mod 8) cover all 32 banks with their 8-byte loads; lanes of odd
-g read the second 16 bytes of their x piece first (`x_swap`). Before, those loads were 4-way
-and 2-way conflicted: 2.75 M wavefronts against 1.61 M ideal at M = 16, 4096x14336, with the
-shared-memory queue the top stall (H200 ncu, s19-1). `mgpu_mma_layout` holds the tile geometry
-(`MmaConfig`) and the kernel's address arithmetic in numpy, for the CPU tests;
-`mgpu_mma_pieces` the PTX programs and the Mosaic pieces that compute those addresses.
-
-Measured (H200, s19-2, ratio to bf16 at 4096x4096 / 4096x14336 / 14336x4096, same run): M = 1
-0.72 / 0.54 / 0.53 (the pair-table GEMV 0.74 / 0.59 / 0.59, so `auto` runs this kernel from
-M = 1), M = 2 0.73 / 0.56 / 0.54, M = 8 0.73 / 0.55 / 0.55, M = 16 0.78 / 0.61 / 0.59 (the
-session-18 layout 0.88 / 0.73 / 0.72; `mgpu_decoded_wgmma` 0.95 / 0.90 / 0.93). The same
-pipeline with no decode streams the weight at 3.3 TB/s, about twice the kernel
-(`benchmarks.mgpu_stream_probe`); what is left is in benchmarks/results/README.md, session 19.
-
-Scales (session 20): the four lanes of a quad hold the same rows, so each loads and de-nests
-the scales of one group in four and shuffles share them (`quad_scales`), and the double-quant
-code table is read from shared memory (`nested_code_smem`): M = 1 0.64 / 0.49 / 0.45 x bf16 (H200
-s20-12). The scale path still costs about 10-15% (a run with constant scales: 0.61 / 0.42 /
-0.41). Tried and slower (benchmarks/results/README.md, session 20): stream-K over all SMs with
-in-kernel partial sums, four compute warpgroups (`compute_wgs = 4`, kept as a config), a 64 KiB-
-aligned pair table (one prmt a byte), the next step's scales prefetched.
-
-K-split sums (session 21): XLA's sum of the K splits' fp32 partials is a kernel of its own,
-1.3-1.8 us a call (H100 s21-8: the MMA kernel alone 0.38 / 0.38 x bf16 at M = 16 on the large
-shapes, the call 0.41 / 0.42). With 512-column steps (`tile_k = 512`) the two warpgroups share
-128 rows, each half of the columns in its own swizzled TMA buffer, and sum their partials in the
-CTA (`wg_reduce`); where that needs no K split (`default_config`: 4096x14336 among the protocol
-shapes) the kernel stores y and the call is one kernel: M = 16 0.374 x bf16 against 0.403 (H100
-s21-11). Summing K splits across a thread-block cluster was no faster (results README).
-
-Up to 64 tokens (session 22; 16 before): eight n8 tiles of x, the A fragments of each lookup
-shared by all of them. H100 s22-12, same run: M = 17 / 24 / 32 0.617 / 0.636 / 0.671 x bf16 at
-4096x4096, 0.387 / 0.383 / 0.454 at 4096x14336, 0.448 / 0.468 / 0.474 at 14336x4096, against
-`mgpu_decoded_wgmma`'s 0.831 / 0.808 / 0.707, 0.663 / 0.634 / 0.588 and 0.690 / 0.681 / 0.606;
-s22-13: M = 48 0.743 / 0.627 / 0.568 against 0.833 / 0.690 / 0.680, M = 64 0.869 / 0.789 /
-0.701 against 0.738 / 0.648 / 0.616 (`auto` stops at 48).
-
-K splits that do not divide the steps (session 22): a prime step count left one split, 16 CTAs
-for Llama-2-7B's down projection (K = 11008, 43 steps), so `auto` ran slower kernels there.
-Each split now runs a window of ceil(steps / splits) steps; the last window is moved back to end
-at K and skips (`lax.cond` around the step) the steps the split before it took, so every step
-is summed once, in the same per-split order (`mgpu_pipeline.split_windows`). The skipped
-steps are still loaded (at most splits - 1 of them). H200 s22-1, ratio to bf16, same run: K =
-11008, N = 4096 M = 1 0.458 (8 splits, 128 CTAs) against the Triton GEMV's 0.818, M = 16 0.518
-against the wgmma kernel's 1.396; Qwen2.5-7B's down projection (K = 18944, 74 steps, N = 3584)
-0.429 and 0.486 against 0.779 and 0.894.
+Scales: the four lanes of a quad hold the same rows, so each loads and de-nests the scales of
+one group in four and shuffles share them; the double-quant code table is read from shared
+memory. With 512-column steps the two warpgroups share 128 rows, each half of the columns, and
+sum their partials in the CTA (`wg_reduce`): where that needs no K split the kernel stores y
+and the call is one kernel. Otherwise XLA sums the K splits' fp32 partials. K splits need not
+divide the steps: the last split's window moves back to end at K and skips (`lax.cond`) the
+steps the split before it took (`mgpu_pipeline.split_windows`); those are still loaded.
 
 Hopper only (sm_90, TMA, inline PTX), no interpret mode. CPU checks: `emulate` (the same
 groups and order in float64 sums) against the reference, the lookup program in the tests' PTX
-interpreter, and CUDA lowering.
+interpreter, and CUDA lowering. Evidence for each choice: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -111,12 +71,8 @@ def default_config(m: int, n: int, k: int, blocksize: int,
     tile_k (None: chosen): 512 where 128-row tiles fill at least as many SMs in one wave
     without a K split as 256-row tiles do with theirs. Its two warpgroups' partials are then
     summed in the CTA (`wg_reduce`) and y is stored by the kernel: no XLA sum of K-split
-    partials, a kernel of its own (1.3-1.8 us a call). H100 s21-10, same run, ratio to bf16:
-    4096x14336 (112 CTAs either way) M = 1 0.376 against 0.394, M = 16 0.369 against 0.408;
-    where 128-row tiles would need K splits (4096x4096, 14336x4096) 256 stays (0.547 against
-    0.530 and 0.403 against 0.374 at M = 1 with 512). 256-row tiles' splits may be uneven:
-    4096x11008 (K x N) takes 3 of them, 129 CTAs, over 86 of 128 rows (H200 s22-1: 0.462
-    against 0.487 at M = 1, 0.539 against 0.593 at M = 16)."""
+    partials, a kernel of its own. 256-row tiles' splits may be uneven: 4096x11008 (K x N)
+    takes 3 of them, 129 CTAs. Chosen by measurement: docs/kernels.md"""
     if tile_k is None:
         base = default_config(m, n, k, blocksize, 256)
         wide = default_config(m, n, k, blocksize, 512)
@@ -380,5 +336,7 @@ VARIANTS = (
         reference=matmul_4bit_mma_reference, supports=supports, accepts_nested=True,
         description="Hopper Mosaic GPU (M <= 64): TMA-streamed packed tiles, each byte looked up "
                     "in a lane-replicated 256-entry table of 16-bit code pairs straight into an "
-                    "mma.sync A fragment; fp32 group sums times absmax"),
+                    "mma.sync A fragment; fp32 group sums times absmax",
+        numerics="rounded_codes", status="default", config_type=MmaConfig,
+        default_config=default_config),
 )

@@ -16,7 +16,7 @@ the memory warpgroup streams dy, W and the scales with TMA (the code table is lo
 tile into registers, `mgpu_decode.code_loader`). With 64 dy rows a CTA takes about 100 KB of
 shared memory, which leaves room for two per SM, so one CTA's decode can run under the other's
 MMA; with 128 dy rows and 128 weight rows a step (M > 64) its buffers take about 178 KB, one
-CTA per SM, and it still measured faster than 64 rows a step (`default_config_t`). The output
+CTA per SM, and it is still faster than 64 rows a step (docs/kernels.md). The output
 is dx itself (no transpose); with several N splits XLA sums fp32 partials. Hopper only, no
 interpret mode (as the forward kernel).
 """
@@ -71,12 +71,7 @@ def default_config_t(m: int, n: int, k: int, blocksize: int) -> ConfigT:
     splits = 1
     while base * splits * 2 <= 2 * SMS and splits < 8 and n % (64 * splits * 2) == 0:
         splits *= 2
-    # 128 weight rows per step: at 14336x4096 (no N split, 224 dx column blocks) 1.42 / 1.54x
-    # the dense product at M = 16 / 128 against 1.51 / 1.83 with 64 (H100, s14); with N split
-    # too (session 23, same run, against 64): H100 s23-11 at 4096x4096 M = 1 / 16 / 128 1.43 /
-    # 1.36 / 1.26 against 1.64 / 1.56 / 1.41, at 4096x14336 1.18 / 1.14 / 1.18 against 1.47 /
-    # 1.42 / 1.47; H200 s23-10 M = 16 / 128 1.94 / 1.45 against 2.20 / 1.64 and 1.56 / 1.62
-    # against 1.93 / 1.99
+    # 128 weight rows per step, with or without N splits: chosen by measurement: docs/kernels.md
     tile_n = 128 if (n // splits) % 128 == 0 else 64
     return ConfigT(tile_m=tile_m, tile_n=tile_n, n_splits=splits)
 
@@ -215,5 +210,7 @@ VARIANTS = (
         reference=matmul_4bit_t_reference, supports=supports_t,
         description="Hopper Mosaic GPU backward: each (n_t, 64) weight tile decoded in registers "
                     "(per-row byte-plane tables), stored to shared memory, dx tile += dy . W by "
-                    "wgmma"),
+                    "wgmma",
+        numerics="rounded_weight", status="default", config_type=ConfigT,
+        default_config=default_config_t),
 )

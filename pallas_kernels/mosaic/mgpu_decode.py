@@ -134,9 +134,9 @@ def codes_layout(plgpu):
 def code_loader(plgpu):
     """Pallas function: the f32 code ref (16,) in global memory -> the (512,) array of each
     thread's 4 table codes (codes 4q .. 4q + 3, q = lane % 4). Loaded once per tile and carried
-    through the K loop in registers: a per-step shared-memory block of the table needed an XLA
-    broadcast kernel per call (1.1 us, H100, s16), and loading it from global memory in every
-    step put the load's latency in each step (+1.7 us at M = 16, 14336 x 4096, s16)."""
+    through the K loop in registers: a per-step shared-memory block of the table needs an XLA
+    broadcast kernel per call, and loading it from global memory in every step puts the load's
+    latency in each step."""
     _, _, _, ir, arith, memref, fa, mu = mosaic_modules()
     from jax._src.lib.mlir.dialects import vector
 
@@ -172,9 +172,9 @@ def scale_denester(plgpu, rows: int, cols: int, split_cols: int):
     (rows, split_cols) window of the (N, cols) array in global memory), nested_code (256,),
     nested_absmax, offset (1,), and the shared (split_cols, rows) f32 destination.
 
-    Why: de-nesting in XLA first costs a transpose fusion per call (1.4-3.1 us at M = 16, H100,
-    s16) and 4x the scale bytes in the kernel; de-nesting inside each step's decode put two
-    dependent global loads in every step (+4.6 us, s16, not kept). Here the loads are
+    Why: de-nesting in XLA first costs a transpose fusion per call and 4x the scale bytes in the
+    kernel; de-nesting inside each step's decode puts two dependent global loads in every step
+    (slower). Here the loads are
     independent, coalesced, once per tile, and the steps read shared memory as before. It pays
     only with few scales a thread (`matmul_4bit_mgpu.denests_in_kernel`). Each scale's nested
     group is its flat index in the (N, cols) codes / 256: the window's memref offset is the
@@ -196,7 +196,7 @@ def scale_denester(plgpu, rows: int, cols: int, split_cols: int):
         rc = [(arith.divui(e, ci(split_cols)), arith.remui(e, ci(split_cols)))
               for e in (arith.addi(tid, ci(128 * i)) for i in range(per_thread))]
         # all loads before the first store, so none waits behind a store (measured no faster
-        # than one scale at a time, s16)
+        # than one scale at a time, and no slower)
         codes = [arith.index_cast(idx, arith.extui(i32, memref.load(codes_ref, [r, c])))
                  for r, c in rc]
         groups = [arith.divui(arith.addi(first, arith.addi(arith.muli(r, ci(cols)), c)),

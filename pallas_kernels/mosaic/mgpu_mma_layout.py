@@ -35,7 +35,7 @@ class MmaConfig:
     # 128-byte half of it, a buffer of its own) with the 128-byte swizzle and MMA row g of each
     # 8 reads tile row `tile_row(g)` = 2 (g % 4) + g // 4, so a half-warp's 8-byte loads (rows
     # g = 0..3, 32 bytes each) fall in 32 distinct banks. False: rows g, the plain layout, where
-    # those 4 rows sit 128 bytes apart in the same 8 banks: 4-way conflicts (H200 ncu, s19-1)
+    # those 4 rows sit 128 bytes apart in the same 8 banks: 4-way conflicts
     swizzle: bool = True
     # True: lanes of odd g read the second 16 bytes of their x piece first, so the two tokens
     # of a quarter-warp hit different banks (their rows are 2 * tile_k bytes apart: 2-way
@@ -43,14 +43,12 @@ class MmaConfig:
     x_swap: bool = True
     # compute warpgroups (2 or 4). 4 (tile_k = 256 only): each takes 64 of the CTA's 256 rows
     # (one m16 tile a warp), so each scheduler has 4 warps to hide the lookups' and MMAs'
-    # latency instead of 2, at 96 registers a thread (FOUR_WG_REGISTERS). Correct but slower
-    # (H200 s20-4, before quad_scales: 0.76 / 0.57 / 0.54 x bf16 at M = 1 against 0.73 /
-    # 0.53 / 0.51; 0.87 / 0.67 / 0.61 at M = 16 against 0.77 / 0.58 / 0.56): not a default
+    # latency instead of 2, at 96 registers a thread (FOUR_WG_REGISTERS). Correct but measured
+    # slower (docs/kernels.md): not a default
     compute_wgs: int = 2
     # True: the four lanes of a quad (same rows) each load and de-nest the scales of one
     # group in four and take the others by shuffles, where each lane loaded all of them (4
-    # times the global loads and de-nesting). H200 s20-5, same run: 0.66 / 0.47 / 0.48 x bf16
-    # at M = 1 against 0.74 / 0.55 / 0.53 without
+    # times the global loads and de-nesting); chosen by measurement: docs/kernels.md
     quad_scales: bool = True
     # True: the 256 double-quant codes are copied into shared memory once a tile, and each
     # scale's de-nesting reads its entry there instead of from global memory

@@ -10,7 +10,7 @@ import inspect
 
 import jax
 
-# SMs of an H100 / H200: the CTA count where no GPU is attached (lowering on CPU)
+# SMs of a Hopper GPU (H100 / H200): the CTA count where no GPU is attached (lowering on CPU)
 SMS = 132
 # an H100/H200 block's shared memory, less Mosaic's barriers (64 to 1072 B seen)
 SMEM_LIMIT = 232448 - 1088
@@ -25,10 +25,8 @@ def grid_fills(n_tiles: int, k_iters: int, k_splits: int) -> bool:
     """Whether a (row tiles x K splits) grid of one CTA an SM uses the GPU: a quarter of the SMs
     or more get a CTA, or the product has fewer steps than SMs anyway. The GEMV splits K only
     into equal runs of whole steps, so a prime step count leaves one CTA a row tile: K = 11008
-    (43 steps of 256, Llama-2-7B's down projection) gave 16 CTAs, and the MMA kernel (before
-    its uneven splits, session 22) ran 1.35x bf16 at M = 1 against the Triton GEMV's 0.59 and
-    1.65x at M = 16 against the wgmma kernel's 1.01 (H100 s21-13). Where this is False `auto`
-    takes other kernels."""
+    (43 steps of 256, Llama-2-7B's down projection) gives 16 CTAs, far slower than the other
+    kernels (docs/kernels.md). Where this is False `auto` takes other kernels."""
     return 4 * n_tiles * k_splits >= SMS or n_tiles * k_iters < SMS
 
 
@@ -95,8 +93,8 @@ def compute_registers_held(count: int | None):
     (512 - memory registers) / compute warpgroups, which assumes the whole register file
     is free: with four compute warpgroups that is 112, while 640 threads launch with 96 a
     thread, and 40 * 128 + 112 * 512 > 96 * 640, so `setmaxnreg.inc` could not be granted
-    (tile-ai/tilelang#2406 fixed the same deadlock in its own warp specialization). The hangs
-    of s15-2 and s16-1 had a plainer cause, 3 warpgroups launched for 5 (fixed in s16)."""
+    (tile-ai/tilelang#2406 fixed the same deadlock in its own warp specialization). A kernel
+    must also launch every warpgroup the pipeline waits for, or its barriers hang."""
     if count is None:
         yield
         return

@@ -279,15 +279,15 @@ def dequantize_4bit(packed, absmax, code, *, blocksize: int, out_dtype=jnp.float
     """Dequantize bitsandbytes 4-bit weights to (N, K) out_dtype with a tiled Pallas kernel.
 
     Bit-exact with `dequantize_4bit_reference`. Grid over (row tiles, byte-column tiles);
-    block_k counts weight columns (2 per byte). method "auto" = "gather" (measured faster on an
-    H200: 2.5 vs 1.95 TB/s at 32-row tiles).
+    block_k counts weight columns (2 per byte). method "auto" = "gather" (chosen by
+    measurement: docs/kernels.md).
     """
     n, k = check_4bit_operands(packed, absmax, code, blocksize, what="dequantize_4bit")
     method = resolve_method(method, "gather")
     out_dtype = jnp.dtype(out_dtype)
     kb = k // 2
     bkb = pick_block_bytes(kb, (block_k or 512) // 2)
-    # H200, N=K=4096, bf16 out: 16 rows x 256 bytes 3.03 TB/s; 32 x 256 2.51 TB/s
+    # 16-row tiles: chosen by measurement: docs/kernels.md
     bn = block_n or min(16, _compat.next_pow2(n))
     if not _compat.is_pow2(bn):
         raise ValueError(f"dequantize_4bit: block_n must be a power of two, got {bn}")
@@ -324,5 +324,7 @@ VARIANTS = (
         supports=supports_4bit,
         description="Pallas/Triton tiled 4-bit dequant: (16 rows x 256 bytes) tiles, table-load "
                     "decode, hi/lo nibbles interleaved in registers; bit-exact with the reference.",
+        numerics="rounded_weight",
+        status="default",  # inside dequant_dot / dequant_dot_t
     ),
 )

@@ -101,8 +101,8 @@ def _fused_kernel(xe_ref, xo_ref, packed_ref, absmax_ref, code_ref, out_ref, *, 
 
 
 def default_blocks(m: int, n: int, k: int):
-    """(block_m, block_n, block_k, num_warps) defaults (H200 sweep, N=K=4096, M=2048:
-    256x128x64/8 warps 290 us vs 128x128x128/4 warps 488 us)."""
+    """(block_m, block_n, block_k, num_warps) defaults; 256x128x64 tiles with 8 warps at
+    M >= 256 (chosen by measurement: docs/kernels.md)."""
     if m >= 256:
         return 256, (128 if n >= 128 else max(16, _compat.next_pow2(n))), 64, 8
     bm = 128 if m >= 128 else max(16, _compat.next_pow2(m))
@@ -186,6 +186,13 @@ def matmul_4bit_dequant_dot(x, packed, absmax, code, *, blocksize: int, out_dtyp
     return dot_out(x, w, _NT, out_dtype)
 
 
+def default_kwargs(m: int, n: int, k: int, blocksize: int) -> dict:
+    """The tile keywords `matmul_4bit` uses by default at this shape (`default_blocks`)."""
+    del blocksize
+    bm, bn, bk, nw = default_blocks(m, n, k)
+    return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
+
+
 VARIANTS = (
     Variant(
         name="fused_tiled",
@@ -195,7 +202,10 @@ VARIANTS = (
         supports=supports_4bit,
         description="Pallas/Triton fused dequant-matmul: grid (M tiles, N tiles), K loop inside "
                     "(256x128x64 tiles, 8 warps for M >= 256); x split even/odd so hi/lo nibble "
-                    "tiles feed two dots; fp32 acc. H200 M=2048 4096^2: 2.6x bf16 (decode-bound).",
+                    "tiles feed two dots; fp32 acc. Decode-bound at large M.",
+        numerics="rounded_weight",
+        status="experimental",
+        default_config=default_kwargs,
     ),
     Variant(
         name="dequant_dot",
@@ -204,6 +214,8 @@ VARIANTS = (
         reference=matmul_4bit_reference,
         supports=supports_4bit,
         description="dequant_tiled kernel to a transient dense x.dtype weight, then the XLA "
-                    "(vendor) GEMM; the large-M winner on H200 (1.16x bf16 at M=2048).",
+                    "(vendor) GEMM; the weight exists only inside the call.",
+        numerics="rounded_weight",
+        status="default",
     ),
 )

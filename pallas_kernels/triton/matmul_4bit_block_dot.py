@@ -2,9 +2,9 @@
 
 Between the GEMV (M <= 4) and a large GEMM the product is bound by the per-weight decode, which
 the older paths pay in full: `splitk_small_m` rebuilds each weight as code * absmax in fp32
-through a 15-select tree and rounds it (ALU 77% busy at M = 16, ncu), and `dequant_dot` writes
-a dense bf16 weight (2 bytes per weight) before a GEMM. This kernel decodes each weight with one
-table lookup and no multiply, and moves the scale out of the inner product as the GEMV does:
+through a 15-select tree and rounds it, and `dequant_dot` writes a dense bf16 weight (2 bytes
+per weight) before a GEMM. This kernel decodes each weight with one table lookup and no
+multiply, and moves the scale out of the inner product as the GEMV does:
 
     y[m, n] = sum_b absmax[n, b] * sum_{k in block b} x[m, k] * code[q[n, k]]
 
@@ -13,7 +13,7 @@ chunk (c = the bytes of one scale block, or fewer); their (block_n, M) fp32 resu
 multiplied by the block's scales and accumulated. The weight is the dot's left operand, so 128
 weight rows fill the MMA's M side and x's few rows (padded to 16) its N side.
 
-Two code tables, two registered variants:
+Two code tables and two lookups, three registered variants:
 - `exact_codes=True` (`block_scaled_dot`): the 16 codes are split into x-dtype pairs hi + lo
   (hi = code rounded, lo = the rounded remainder), two dots per nibble half. Each product
   x * hi, x * lo is exact in fp32, and hi + lo is within 2^-17 of the code, relative, for bf16
@@ -23,18 +23,10 @@ Two code tables, two registered variants:
   table rounded to x's dtype. The effective weight is round(code) * absmax where
   bitsandbytes uses round(code * absmax): the same error bound (half an ulp of x's dtype per
   weight), a different rounding point. Oracle: `matmul_4bit_block_dot_reference`.
-  H200 (session 6, s6-3, M = 16): 1.42 / 1.42 / 1.65x the bf16 GEMM time at 4096x4096 / 4096x14336 /
-  14336x4096 against 1.93 / 2.16 / 2.44x exact and dequant_dot's 1.86 / 2.43 / 2.51x. At
-  M = 64 and 128 both variants were slower than dequant_dot, hence MAX_M = 16.
+  Registered up to MAX_M = 16, beyond which `dequant_dot` is faster (docs/kernels.md).
 - `lookup="prmt"` with rounded codes (`block_scaled_dot_prmt`): the same code tiles, bit for
-  bit, found by byte permutes in registers (`nibble_lookup`) instead of a gather per weight.
-  H200 (session 8, s8-2 / s8-4): M = 16 1.21-1.24 / 1.07-1.13 / 1.30-1.33x bf16 against the
-  gather's 1.48-1.51 / 1.33-1.37 / 1.59-1.62x; with its own tile config (PRMT_CONFIG) it beats
-  dequant_dot up to M = 64, hence its PRMT_MAX_M = 64 (`auto` runs it up to M = 32 since
-  session 9; `matmul_4bit_decoded_dot` is faster at 33..64). What limits it now (ncu, M = 16): 7.3
-  instructions per weight, 3.25 of them the lookup, 1.0 copies of table words that ptxas
-  parks in uniform registers (`nibble_lookup.lookup`); 41% of issue slots busy, 43% achieved
-  occupancy (64 registers, 50% theoretical).
+  bit, found by byte permutes in registers (`nibble_lookup`) instead of a gather per weight,
+  with its own tile config (PRMT_CONFIG); registered up to PRMT_MAX_M = 64 (docs/kernels.md).
 
 x is viewed as (M, K / 2c, c, 2) and the packed weight as (N, K / 2c, c) (free reshapes); x's
 even/odd columns (high/low nibbles) are split in registers. Grid (N tiles, K splits) as in the
@@ -60,16 +52,12 @@ from pallas_kernels.triton.matmul_4bit_gemv import (
     matmul_4bit_gemv_reference, matmul_4bit_rounded_codes_reference)
 from pallas_kernels.registry import Variant
 
-MAX_M = 16  # where the registry and `auto` use it (measured); the kernel computes up to:
-KERNEL_MAX_M = 128
-# H200 sweep at M = 16 (benchmarks/block_dot_sweep.py, session 6, s6-1): block_n 128, block_k
-# 512, 8 warps and ~1024 programs were best or within 2% on both measured shapes; block_n 32 was
-# 2-4x slower; block_k 1024 10-62% slower (s6-3, s6-4).
-DEFAULT_CONFIG = (128, 512, 8)  # (block_n, block_k, num_warps)
-# lookup="prmt" (H200, s8-2 and s8-4, results/..._lookup_probe_s8_*.json): 64-row tiles, 4 warps
-# and one K tile per program were 1-3% faster than DEFAULT_CONFIG's ~1024 programs at M = 16
-# (mixed at M = 1 and 3) and 10-21% faster at M = 64, where the kernel then beats dequant_dot
-# (1.46 / 1.92 / 1.97x bf16 against 1.70 / 2.36 / 2.34x); at M = 128 dequant_dot wins.
+MAX_M = 16  # where the registry uses it (chosen by measurement: docs/kernels.md); the kernel
+KERNEL_MAX_M = 128  # computes up to KERNEL_MAX_M
+# (block_n, block_k, num_warps), with ~1024 programs: chosen by measurement: docs/kernels.md
+DEFAULT_CONFIG = (128, 512, 8)
+# lookup="prmt": 64-row tiles, 4 warps, one K tile per program, registered up to M = 64:
+# chosen by measurement: docs/kernels.md
 PRMT_CONFIG = (64, 512, 4)
 PRMT_MAX_M = 64
 _TARGET_PROGRAMS = 1024
@@ -90,7 +78,7 @@ def split_code_table(code, dtype, exact: bool = True):
     hi is code rounded to dtype; lo is the fp32 remainder rounded to dtype. Each product x * hi
     and x * lo is exact in fp32, so two dots carry the fp32 code. The rounded table is made here
     (one tiny XLA op per call), not in-kernel: gathering fp32 codes and converting them in the
-    kernel measured 10-25% slower at M = 8 and 16 (H200, session 6).
+    kernel measured slower (docs/kernels.md).
     """
     code = code.astype(jnp.float32)
     if jnp.dtype(dtype) == jnp.float32:
@@ -181,7 +169,7 @@ def matmul_4bit_block_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=
     sizes come from DEFAULT_CONFIG, or PRMT_CONFIG with lookup="prmt". nested = (nested_absmax, nested_code, offset) with `absmax`
     the uint8 (N, K//bs) codes of double-quantized scales: de-nested in-kernel.
     exact_codes=False: one code table rounded to x's dtype, one dot per nibble half instead of
-    two (module doc: numerics and measured speed).
+    two (module doc: numerics).
     lookup: how a tile's codes are found: "gather" (a load from the code table per weight) or
     "prmt" (byte permutes in registers, `nibble_lookup`; needs exact_codes=False; fp32 x has
     no 16-bit table and gathers). The two give bitwise the same code tiles.
@@ -255,6 +243,20 @@ def matmul_4bit_block_dot_reference(x, packed, absmax, code, *, blocksize: int, 
                                       out_dtype=out_dtype, interpret=interpret, nested=nested)
 
 
+def default_kwargs(m: int, n: int, k: int, blocksize: int) -> dict:
+    """The tile keywords `matmul_4bit_block_dot` uses by default (DEFAULT_CONFIG)."""
+    del m, n, k, blocksize
+    bn, bk, nw = DEFAULT_CONFIG
+    return dict(block_n=bn, block_k=bk, num_warps=nw)
+
+
+def default_kwargs_prmt(m: int, n: int, k: int, blocksize: int) -> dict:
+    """The tile keywords `matmul_4bit_block_dot(lookup="prmt")` uses by default (PRMT_CONFIG)."""
+    del m, n, k, blocksize
+    bn, bk, nw = PRMT_CONFIG
+    return dict(block_n=bn, block_k=bk, num_warps=nw)
+
+
 VARIANTS = (
     Variant(
         name="block_scaled_dot",
@@ -266,8 +268,11 @@ VARIANTS = (
                     "(hi + lo x-dtype pairs, effectively fp32) against x per scale block, then "
                     "one multiply by the block's absmax per (row, block); the weight is not "
                     "rounded to x's dtype. Grid (N tiles, K splits). De-nests double-quantized "
-                    "scales in-kernel (nested=). H200 M = 16: 1.93-2.44x bf16.",
+                    "scales in-kernel (nested=).",
         accepts_nested=True,
+        numerics="fp32_weight",
+        status="alternative",
+        default_config=default_kwargs,
     ),
     Variant(
         name="block_scaled_dot_rounded_codes",
@@ -277,9 +282,11 @@ VARIANTS = (
         supports=supports_block_dot,
         description="block_scaled_dot with the code table rounded to x's dtype (one dot per "
                     "nibble half): effective weight round(code) * absmax, bitsandbytes' error "
-                    "bound at a different rounding point. H200 M = 16: 1.42-1.65x bf16 against "
-                    "dequant_dot's 1.86-2.51x. Default at 4 <= M <= 16.",
+                    "bound at a different rounding point.",
         accepts_nested=True,
+        numerics="rounded_codes",
+        status="alternative",
+        default_config=default_kwargs,
     ),
     Variant(
         name="block_scaled_dot_prmt",
@@ -288,10 +295,11 @@ VARIANTS = (
         reference=functools.partial(matmul_4bit_block_dot_reference, exact_codes=False),
         supports=supports_block_dot_prmt,
         description="block_scaled_dot_rounded_codes with the codes looked up by byte permutes "
-                    "in registers (nibble_lookup: 3.25 instructions per weight, no load) "
-                    "instead of a table gather; bitwise the same code tiles; 64-row tiles, "
-                    "4 warps, one K tile per program. H200 M = 16: 1.07-1.33x bf16 against "
-                    "1.33-1.62x with the gather. Default at 3 <= M <= 32.",
+                    "in registers (nibble_lookup, no load) instead of a table gather; bitwise "
+                    "the same code tiles; 64-row tiles, 4 warps, one K tile per program.",
         accepts_nested=True,
+        numerics="rounded_codes",
+        status="default",
+        default_config=default_kwargs_prmt,
     ),
 )

@@ -2,10 +2,10 @@
 tile decoded in registers (code * absmax, rounded once to x's dtype) and fed to a tensor-core
 dot (Pallas, Triton lowering) + its jnp reference.
 
-Between the block-scaled dot (`matmul_4bit_block_dot`, best up to M = 32) and `dequant_dot`
-(a dense bf16 weight written, then cuBLAS; best from M = 128) the block-scaled form pays for
-its scale placement: it multiplies each scale block's (block_n, M) partial product by the
-block's scales, about M / 32 fp32 multiply-adds per weight, and its dots are 32 columns deep.
+Between the block-scaled dot (`matmul_4bit_block_dot`) and `dequant_dot` (a dense bf16 weight
+written, then cuBLAS) the block-scaled form pays for its scale placement: it multiplies each
+scale block's (block_n, M) partial product by the block's scales, about M / 32 fp32
+multiply-adds per weight, and its dots are 32 columns deep.
 Here the scale goes into the weight instead (one fp32 multiply and half a convert per weight)
 and each dot is block_k deep:
 
@@ -21,16 +21,10 @@ The code lookup: `lookup="prmt"` (default; byte permutes in registers, `nibble_l
 the code rounded to x's 16-bit dtype, so the weight is round(round(code) * absmax), at most
 about one ulp of x's dtype from bitsandbytes' round(code * absmax) (half an ulp); oracle: the
 reference on the rounded table. `lookup="gather"` loads the fp32 code (the weight is then bit
-for bit `dequantize_4bit_reference`'s) but is far slower (below).
+for bit `dequantize_4bit_reference`'s) but is far slower.
 
-Measured (H200, session 9, `benchmarks/decoded_dot_probe.py`, ratios to bf16 at 4096x4096 /
-4096x14336 / 14336x4096): at M = 64, 64x64x64 tiles with 4 warps and 4 K splits 1.16 / 1.51 /
-1.55 against block_dot prmt's 1.46 / 1.92 / 1.96 and dequant_dot's 1.68 / 2.37 / 2.34; at
-M = 32 even with block_dot; at M = 16 slower (1.6x). At M = 128 and 2048 every config lost to
-dequant_dot (M = 2048: 2.4-2.6x at best against 1.15-1.19): ncu at 128x256x64 / 8 warps shows
-HGMMA, 214 registers per thread (one program of 8 warps per SM), 25% of issue slots busy and
-30% of warp stalls waiting on the warpgroup MMA: the decode and the MMA do not overlap, and
-each weight is decoded once per M tile. The gather lookup was 7-30x bf16.
+Limits: the decode and the warpgroup MMA do not overlap, and each weight is decoded once per M
+tile, so at large M `dequant_dot` is faster. Where each form wins: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -51,9 +45,8 @@ from pallas_kernels.triton.matmul_4bit_block_dot import split_code_table
 from pallas_kernels.registry import Variant
 
 LOOKUPS = ("gather", "prmt")
-# (block_n, block_m, block_k, num_warps, num_stages, K splits): H200, s9-4 (module doc). At
-# M = 64 the three shapes' best or within 2% of it (block_k 128: 2% faster at 4096x4096, 14%
-# slower at 4096x14336); 2 or 8 splits were 4-26% slower than 4 (at block_k 128).
+# (block_n, block_m, block_k, num_warps, num_stages, K splits): chosen by measurement:
+# docs/kernels.md
 DEFAULT_CONFIG = (64, 64, 64, 4, 3, 4)
 
 
@@ -86,7 +79,7 @@ def _decoded_dot_kernel(*refs, m: int, n: int, bm: int, bn: int, bkb: int, tps: 
         hi = apply_scales(codes(p, "hi"), am).astype(dtype)
         lo = apply_scales(codes(p, "lo"), am).astype(dtype)
         # byte j -> columns 2j, 2j+1. (Splitting x's tile into even and odd columns instead,
-        # for two dots, was 12-56x bf16 in s9-2: a 26x bank-conflicted shared-memory shuffle.)
+        # for two dots, is far slower: a bank-conflicted shared-memory shuffle.)
         w = jnp.stack([hi, lo], axis=-1).reshape(bn, span)
         xt = _compat.load(x_ref.at[:, pl.ds(2 * kb0, span)], mask=xmask, other=0)
         return acc + lax.dot_general(w, xt, _NT, preferred_element_type=jnp.float32,
@@ -193,6 +186,15 @@ def matmul_4bit_decoded_dot_reference(x, packed, absmax, code, *, blocksize: int
                                  out_dtype=out_dtype, interpret=interpret)
 
 
+def default_kwargs(m: int, n: int, k: int, blocksize: int) -> dict:
+    """The tile keywords `matmul_4bit_decoded_dot` uses by default at this shape (from
+    DEFAULT_CONFIG; `splits` is left to the kernel, which derives it from K and block_k)."""
+    del n, k, blocksize
+    bn, bm, bk, nw, ns, _ = DEFAULT_CONFIG
+    return dict(block_n=bn, block_m=min(bm, max(16, _compat.next_pow2(m))), block_k=bk,
+                num_warps=nw, num_stages=ns)
+
+
 VARIANTS = (
     Variant(
         name="decoded_dot_prmt",
@@ -203,9 +205,11 @@ VARIANTS = (
         description="Pallas/Triton 4-bit matmul for mid-size M: each weight tile decoded in "
                     "registers (codes by byte permutes, rounded to x's dtype, times absmax, "
                     "rounded once) and fed as the left operand of a tensor-core dot against x "
-                    "as stored; 64x64x64 tiles, 4 K splits. H200 M = 64: 1.16-1.55x bf16 "
-                    "against block_dot prmt's 1.46-1.96x. Default at 33 <= M <= 64.",
+                    "as stored; 64x64x64 tiles, 4 K splits.",
         accepts_nested=True,
+        numerics="rounded_codes_twice",
+        status="default",
+        default_config=default_kwargs,
     ),
     Variant(
         name="decoded_dot_gather",
@@ -214,8 +218,11 @@ VARIANTS = (
         reference=functools.partial(matmul_4bit_decoded_dot_reference, lookup="gather"),
         supports=supports_4bit,
         description="decoded_dot with the fp32 codes gathered from the table: the weight is "
-                    "bit for bit the dequant kernel's, but the gather made it 7-30x bf16 on "
-                    "an H200 (s9-1 to s9-3); kept for comparison.",
+                    "bit for bit the dequant kernel's; far slower than the byte-permute lookup, "
+                    "kept for comparison.",
         accepts_nested=True,
+        numerics="rounded_weight",
+        status="experimental",
+        default_config=default_kwargs,
     ),
 )

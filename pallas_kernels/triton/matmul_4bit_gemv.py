@@ -1,19 +1,17 @@
 """4-bit GEMV (M <= 4 rows) with block-wise scaling: y = x @ dequant(W).T in fp32.
 
 At decode time the product is bound by the per-weight decode (its instructions and their
-latency), not by bytes: the split-K kernel (`matmul_4bit_small_m`) spends about 10 instructions
-per weight (ncu, H200) because it rebuilds every weight as the reference does (code * absmax in
-fp32, rounded to x's dtype, widened again) before its multiply-add. This kernel uses the block
-structure instead (6.9 per weight measured; 0.85-0.88x the bf16 GEMV time against 1.07-1.18x):
+latency), not by bytes. The split-K kernel (`matmul_4bit_small_m`) rebuilds every weight as the
+reference does (code * absmax in fp32, rounded to x's dtype, widened again) before its
+multiply-add; this kernel uses the block structure instead:
 
     y[m, n] = sum_b absmax[n, b] * sum_{k in block b} x[m, k] * code[q[n, k]]
 
 so each weight costs one table load and one multiply-add, and the scale one multiply per
-(row, block). The 16-entry table is kept on purpose: a 256-entry table of both nibbles' codes
-per byte value (one load per byte, no nibble extraction) measured slower on the H200 (s7-2,
-results/..._byte_pair_probe.json: M = 1 at 4096x14336 27.7 us with bf16 pairs, 58.6 us with fp32
-pairs, against 26.8 us). A warp's gather from 16 fp32 codes stays in one 64-byte region; from
-256 entries it touches up to 8 cache lines, each a separate L1 wavefront.
+(row, block). The table has 16 entries on purpose: a warp's gather from 16 fp32 codes stays in
+one 64-byte region, while a 256-entry table of both nibbles' codes per byte value (one load per
+byte, no nibble extraction) touches up to 8 cache lines, each a separate L1 wavefront, and
+measured slower (docs/kernels.md).
 
 The packed weight is viewed as (N, K / 2c, c) chunks of c bytes that never cross a scale block
 (a free reshape in the wrapper), so the block sums are a reduction over the last axis of a 3-D
@@ -50,14 +48,9 @@ from pallas_kernels.registry import Variant
 
 MAX_M = 4
 # Default K splits: one K tile per program (a grid of N tiles x K tiles, fp32 partials summed
-# by XLA). H200, s7-6 (results/..._gemv_loop_probe.jsonl): against the earlier default (the
-# largest split count <= ~1024 programs, a K loop of 4 tiles per program at the 14336 shapes),
-# M = 1 went from 0.873 / 0.857 to 0.823 / 0.828x bf16 at 4096x14336 / 14336x4096, M = 2 from
-# 1.254 / 1.284 to 0.982 / 1.033x; 4096x4096 already had one tile per program. A K loop per
-# program serialises the latency-bound decode; more, shorter programs overlap it.
-# (block_n, block_k, num_warps) from H200 sweeps at M = 1 (benchmarks/gemv_sweep.py, results
-# in benchmarks/results): 64x256 with 8 warps was best at 4096x4096 (9.8 us against 10.5 for
-# 32x512) but 25% slower at the 14336 shapes, where 32x512 with 4 warps was best.
+# by XLA): a K loop per program serialises the latency-bound decode; more, shorter programs
+# overlap it. (block_n, block_k, num_warps): 64x256 with 8 warps up to a 4096x4096 weight,
+# 32x512 with 4 warps above. Both chosen by measurement: docs/kernels.md
 _SMALL_WEIGHT = 4096 * 4096
 
 
@@ -160,7 +153,7 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     block_k counts weight columns per tile (two per byte; a power of two); `splits` K splits
     (must divide the number of K tiles; default: one K tile per program). Unset
     block_n/block_k/num_warps come from `default_config`. fma: one fused multiply-add per byte
-    (inline PTX; measured 1% faster at M = 1 and 3-5% at M = 2 on an H200).
+    (inline PTX; chosen by measurement: docs/kernels.md).
     nested = (nested_absmax, nested_code, offset) with `absmax` the uint8 (N, K//bs) codes of
     double-quantized scales: de-nested in-kernel.
     lookup: "gather" (fp32 codes loaded from the table per weight) or "prmt" (the codes rounded
@@ -219,6 +212,13 @@ def matmul_4bit_gemv(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     return y.astype(out_dtype)
 
 
+def default_kwargs(m: int, n: int, k: int, blocksize: int) -> dict:
+    """The tile keywords `matmul_4bit_gemv` uses by default at this shape (`default_config`)."""
+    del m, blocksize
+    bn, bk, nw = default_config(n, k)
+    return dict(block_n=bn, block_k=bk, num_warps=nw)
+
+
 VARIANTS = (
     Variant(
         name="gemv_block_scaled",
@@ -227,11 +227,13 @@ VARIANTS = (
         reference=matmul_4bit_gemv_reference,
         supports=supports_gemv,
         description="Pallas/Triton 4-bit GEMV for M <= 4: fp32 code[q] * x summed per scale "
-                    "block, then one multiply by the block's absmax (H200 ncu, M = 1: 6.9 "
-                    "instructions per weight against about 10 for splitk_small_m); the weight is "
-                    "not rounded to x's dtype. Grid (N tiles, K splits). De-nests "
-                    "double-quantized scales in-kernel (nested=). Default at M <= 2.",
+                    "block, then one multiply by the block's absmax; the weight is not rounded "
+                    "to x's dtype. Grid (N tiles, K splits). De-nests double-quantized scales "
+                    "in-kernel (nested=).",
         accepts_nested=True,
+        numerics="fp32_weight",
+        status="default",
+        default_config=default_kwargs,
     ),
     Variant(
         name="gemv_block_scaled_prmt",
@@ -240,9 +242,11 @@ VARIANTS = (
         reference=matmul_4bit_rounded_codes_reference,
         supports=supports_gemv,
         description="gemv_block_scaled with the code table rounded to x's dtype and looked up "
-                    "by byte permutes in registers (nibble_lookup: 3.25 instructions per "
-                    "weight, no load) instead of an fp32 table gather; effective weight "
-                    "round(code) * absmax.",
+                    "by byte permutes in registers (nibble_lookup, no load) instead of an fp32 "
+                    "table gather; effective weight round(code) * absmax.",
         accepts_nested=True,
+        numerics="rounded_codes",
+        status="alternative",
+        default_config=default_kwargs,
     ),
 )

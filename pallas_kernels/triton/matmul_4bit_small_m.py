@@ -36,7 +36,7 @@ ROWWISE_MAX_M = 4
 # Where x is split into even/odd columns, per path (row-wise: True): "kernel" (tt.split in
 # registers, no extra XLA kernel) or "wrapper" (x[:, 0::2], x[:, 1::2] once per call).
 SPLIT_X_AUTO = {True: "kernel", False: "wrapper"}
-_TARGET_PROGRAMS = 1024  # ~8 per SM on a 132-SM H100/H200
+_TARGET_PROGRAMS = 1024  # ~8 per SM on a 132-SM Hopper GPU
 
 
 def supports_small_m(m: int, n: int, k: int, blocksize: int) -> bool:
@@ -158,11 +158,11 @@ def matmul_4bit_small_m(x, packed, absmax, code, *, blocksize: int, out_dtype=No
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
     rowwise = m <= rowwise_max_m
-    # measured on H200 (N=K=4096): table loads win on the row-wise path (M=1: 12.3 vs 21.7 us),
-    # the select tree on the dot path (M=16: 27.8 vs 67.9 us).
+    # table loads on the row-wise path, the select tree on the dot path: chosen by
+    # measurement: docs/kernels.md
     method = resolve_method(method, "gather" if rowwise else "select")
     mp = m if rowwise else max(16, _compat.next_pow2(m))
-    # defaults from an H200 sweep at N=K=4096 (benchmarks/kernel_smoke.py --part sweep)
+    # tile defaults: chosen by measurement: docs/kernels.md
     bn = block_n or (32 if rowwise or mp >= 64 else 64)
     if not _compat.is_pow2(bn) or (not rowwise and bn < 16):
         raise ValueError(f"matmul_4bit_small_m: block_n must be a power of two (>= 16 when M > "
@@ -226,9 +226,10 @@ VARIANTS = (
         supports=supports_small_m,
         description="Pallas/Triton split-K small-M (M <= 64) dequant-matmul: grid (N tiles, K "
                     "splits), fp32 partials summed in the wrapper; M <= 4: row-wise FMA + table-"
-                    "load decode, x split in-kernel; else dots + select decode. H200 4096^2: "
-                    "M=1 1.07x, M=16 2.3x, M=64 2.1x bf16. De-nests double-quantized scales "
-                    "in-kernel (nested=).",
+                    "load decode, x split in-kernel; else dots + select decode. De-nests "
+                    "double-quantized scales in-kernel (nested=).",
         accepts_nested=True,
+        numerics="rounded_weight",
+        status="experimental",
     ),
 )

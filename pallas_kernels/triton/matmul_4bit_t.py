@@ -92,8 +92,7 @@ def matmul_4bit_t(dy, packed, absmax, code, *, blocksize: int, out_dtype=None,
     out_dtype = jnp.dtype(dy.dtype if out_dtype is None else out_dtype)
     if m == 0:
         return jnp.zeros((0, k), out_dtype)
-    # defaults from an H200 sweep (N=K=4096, M=2048: 256x64x128/8 warps 348 us vs
-    # 128x64x128/4 warps 422 us)
+    # 256-row tiles with 8 warps from M = 256: chosen by measurement: docs/kernels.md
     big = m >= 256
     bm = block_m or (256 if big else 128 if m >= 128 else max(16, _compat.next_pow2(m)))
     bn = block_n or (64 if n >= 64 else max(16, _compat.next_pow2(n)))
@@ -152,7 +151,9 @@ VARIANTS = (
         supports=supports_4bit,
         description="Pallas/Triton fused dy @ dequant(W): grid (M tiles, K/128), N loop of 64 "
                     "(256-row tiles, 8 warps for M >= 256); hi/lo nibble tiles give dx even/odd "
-                    "halves, interleaved in registers. H200 M=2048 4096^2: 3.2x bf16.",
+                    "halves, interleaved in registers.",
+        numerics="rounded_weight",
+        status="experimental",
     ),
     Variant(
         name="dequant_dot_t",
@@ -161,5 +162,7 @@ VARIANTS = (
         reference=matmul_4bit_t_reference,
         supports=supports_4bit,
         description="dequant_tiled kernel to a transient dense weight, then the XLA GEMM dy @ W.",
+        numerics="rounded_weight",
+        status="default",
     ),
 )

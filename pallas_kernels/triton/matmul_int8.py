@@ -30,9 +30,7 @@ Kernels (Pallas, Triton lowering on GPU, interpret mode on CPU):
 Default N and K blocks are the largest power of two (within each kernel's range) that divides N and
 K, so checkpoint dimensions such as K = 11008 (43 tiles of 256) are not copied into a padded CB;
 only a dimension with no power-of-two divisor >= 16 (N) or 32 (K) is zero-padded in the wrapper (a
-copy of CB per call). H200, session 11 (`benchmarks/int8_shape_probe.py`): the padded copies made
-the split-K kernel 2.7-3.2x bf16 at M = 1 on Llama-2 7B / 13B and Qwen2.5-7B shapes (0.58-0.89x
-without them) and the dequant kernel + GEMM 1.64x at K = 11008, M = 2048 (1.14x without).
+copy of CB per call, which costs more than the product at small M: docs/kernels.md).
 Block sizes are powers of two; int8 tiles are used with K-blocks >= 32.
 fp32 inputs use an IEEE fp32 dot (Precision.HIGHEST, no TF32).
 """
@@ -332,11 +330,10 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
     several, the fp32 partial sums are added and scaled in XLA. Same numerics class as
     `matmul_int8(dequant="epilogue")` (different summation order).
 
-    Defaults from an H200 sweep (benchmarks/int8_sweep.py, M = 1 and 16 on the protocol shapes):
-    64 x 256 tiles; one split once N / 64 >= 128 tiles (a wave of programs), else ~256 programs.
-    When the split count does not divide the K tiles the last split is shorter (CB is not padded).
-    `weight_left` (CB tile as the MMA's left operand) measured slower at M <= 16 in every cell of
-    the session-11 sweep (`--part orient`); kept as an option for comparison.
+    Defaults: 64 x 256 tiles; one split once N / 64 >= 128 tiles (a wave of programs), else ~256
+    programs (chosen by measurement: docs/kernels.md). When the split count does not divide the
+    K tiles the last split is shorter (CB is not padded). `weight_left` (CB tile as the MMA's
+    left operand) measured slower at M <= 16; kept as an option for comparison.
     """
     _check_weight("matmul_int8_splitk", x, cb, scb, 1, "x")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
@@ -518,6 +515,8 @@ VARIANTS = (
         reference=matmul_int8_reference,
         supports=_supports_all,
         description="tiled (bm,bn) x K-loop; CB tile cast to x.dtype, SCB/127 in the epilogue",
+        numerics="int8_weight_only",
+        status="experimental",
     ),
     Variant(
         name="int8_weight_only_dq",
@@ -526,6 +525,8 @@ VARIANTS = (
         reference=matmul_int8_reference,
         supports=_supports_all,
         description="tiled; CB tile dequantized in registers (fp32 math, one rounding) like bnb",
+        numerics="int8_weight_only",
+        status="experimental",
     ),
     Variant(
         name="int8_weight_only_splitk",
@@ -534,6 +535,8 @@ VARIANTS = (
         reference=matmul_int8_reference,
         supports=_supports_small_m,
         description="M<=64: grid (N tiles, K splits), CB streamed once, fp32 partials summed",
+        numerics="int8_weight_only",
+        status="default",
     ),
     Variant(
         name="int8_dequant_dot",
@@ -542,6 +545,8 @@ VARIANTS = (
         reference=matmul_int8_reference,
         supports=_supports_all,
         description="large M: W_c written once per call (dequantize_int8 kernel), vendor GEMM",
+        numerics="int8_weight_only",
+        status="default",
     ),
     Variant(
         name="int8_dequant_dot_t",
@@ -550,6 +555,8 @@ VARIANTS = (
         reference=matmul_int8_t_reference,
         supports=_supports_all,
         description="dy @ W for large M: W_c written once per call (dequantize_int8), vendor GEMM",
+        numerics="int8_weight_only",
+        status="default",
     ),
     Variant(
         name="int8_weight_only_t",
@@ -558,5 +565,7 @@ VARIANTS = (
         reference=matmul_int8_t_reference,
         supports=_supports_all,
         description="dy @ W: dy columns scaled by SCB/127 in-tile, then dy_s @ CB, no W in memory",
+        numerics="int8_weight_only",
+        status="experimental",
     ),
 )

@@ -25,7 +25,7 @@ from pallas_kernels.triton.matmul_int8 import _check_weight, _pad2, _round_up, _
 from pallas_kernels.registry import Variant
 
 MAX_M = 4
-# Enough programs to keep every SM streaming (132 SMs on an H100/H200, 2+ programs each).
+# Enough programs to keep every SM streaming (132 SMs on a Hopper GPU, 2+ programs each).
 _TARGET_PROGRAMS = 264
 
 
@@ -132,5 +132,7 @@ VARIANTS = (
         supports=_supports_gemv,
         description="M<=4: fp32 multiply-adds (no dot padding to 16 rows), grid (N tiles, K "
                     "splits); one split scales and writes out_dtype in-kernel (one kernel/call)",
+        numerics="int8_weight_only",
+        status="experimental",
     ),
 )

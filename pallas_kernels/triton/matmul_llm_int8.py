@@ -108,7 +108,7 @@ def quantize_activations_llm_int8(x, threshold: float = 0.0):
     """
     # Fenced: with XLA's default --xla_allow_excess_precision, a GPU fusion may drop the
     # rounding of an fp32 x to float16 (x.astype(f16).astype(f32) -> x), and then CA differs
-    # from torch's (seen on an H200: 11 of 3400 codes at M=17, fp32 x).
+    # from torch's (seen on an H200 with fp32 x).
     a = lax.optimization_barrier(x.astype(jnp.float16))
     absa = jnp.abs(a)
     if threshold > 0.0:
@@ -378,6 +378,8 @@ VARIANTS = (
         reference=llm_int8_matmul_reference,
         supports=_supports_all,
         description="bnb LLM.int8: jnp row quant; int8xint8->int32 tiles; fp16 outlier mask product",
+        numerics="llm_int8",
+        status="default",  # backend="pallas" with llm_int8 numerics
     ),
     Variant(
         name="llm_int8_tiled_skip",
@@ -386,5 +388,7 @@ VARIANTS = (
         reference=llm_int8_matmul_reference,
         supports=_supports_all,
         description="llm_int8_tiled, skipping the 16-bit product on K tiles with no outlier column",
+        numerics="llm_int8",
+        status="experimental",
     ),
 )

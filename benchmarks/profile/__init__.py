@@ -1,0 +1,1 @@
+"""Developer profiling tools: per-kernel breakdowns, the training-step trace, Nsight Compute."""
