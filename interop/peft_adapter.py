@@ -42,6 +42,73 @@ _KEY_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<which>lora_A|lora
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # the dtypes a LoRA weight may have on disk
 
 
+def _in_use(v) -> bool:
+    """A PEFT option is in use when it is set to something other than its off value (null,
+    false, empty, "none"); 0 is a value (layers_to_transform=0 is layer 0)."""
+    if v is None or v is False:
+        return False
+    if isinstance(v, (str, list, dict)):
+        return len(v) > 0 and v != "none"
+    return True
+
+
+# adapter_config.json options jqlora cannot apply: (key, what the option means). Each one, when
+# in use, changes which weights exist or how they combine, so ignoring it would be silently wrong.
+UNSUPPORTED_OPTIONS = (
+    ("use_dora", "DoRA, weight-decomposed LoRA"),
+    ("layers_to_transform", "LoRA on a subset of the layers"),
+    ("layers_pattern", "LoRA on a subset of the layers"),
+    ("modules_to_save", "fully trained extra modules stored with the adapter"),
+    ("trainable_token_indices", "trainable token embeddings"),
+    ("target_parameters", "LoRA on parameters rather than modules"),
+    ("exclude_modules", "modules excluded from target_modules"),
+    ("layer_replication", "replicated layers"),
+    ("fan_in_fan_out", "Conv1D (GPT-2) weight layout"),
+    ("bias", "trained biases"),
+    ("lora_bias", "a bias on lora_B"),
+    ("use_qalora", "QA-LoRA"),
+    ("alora_invocation_tokens", "activated LoRA"),
+    ("megatron_config", "Megatron parallel layers"),
+)
+# Read by load_peft_adapter (their shapes are checked) but not applied by jqlora models.
+PER_MODULE_OPTIONS = (("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas"))
+# Module names of token embeddings in the supported architectures: PEFT gives them Embedding
+# LoRA (lora_embedding_A/B tensors), which jqlora models do not have.
+_EMBEDDING_MODULES = ("model.embed_tokens", "embed_tokens")
+
+
+def unsupported(config: Mapping, where: str, *, per_module: bool = True) -> None:
+    """Raise AdapterFormatError "not supported: <option> in <where>" for the first option of a
+    PEFT adapter config that jqlora cannot apply (`UNSUPPORTED_OPTIONS`, `PER_MODULE_OPTIONS`
+    unless `per_module` is False, and target_modules naming the token embedding).
+
+    Args:
+      config: the parsed adapter_config.json.
+      where: the file to name in the message.
+      per_module: also refuse rank_pattern / alpha_pattern.
+    """
+    options = UNSUPPORTED_OPTIONS + (PER_MODULE_OPTIONS if per_module else ())
+    for key, what in options:
+        v = config.get(key)
+        if _in_use(v):
+            shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+            raise AdapterFormatError(f"not supported: {key}={shown} in {where} ({what})")
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        try:
+            emb = [m for m in _EMBEDDING_MODULES[:1] if re.fullmatch(targets, m)]
+        except re.error:
+            emb = []
+    elif isinstance(targets, list):
+        emb = [t for t in targets if isinstance(t, str) and any(m == t or m.endswith("." + t)
+                                                                for m in _EMBEDDING_MODULES)]
+    else:
+        emb = []
+    if emb:
+        raise AdapterFormatError(f"not supported: target_modules={targets!r} in {where} (embedding LoRA: it "
+                                 f"includes the token embedding {emb[0]!r})")
+
+
 # one family of interop errors: catching CheckpointError (a ValueError) catches these too
 class AdapterFormatError(CheckpointError):
     """A PEFT adapter directory, file or in-memory adapter that jqlora cannot read or write.
@@ -222,8 +289,11 @@ def load_peft_adapter(path):
     adapter_config: the parsed ``adapter_config.json`` dict, as written.
 
     Raises AdapterFormatError (a ValueError) naming the file and key for: a missing or malformed
-    config, a peft_type other than LORA, a missing weights file, an unknown tensor key, a lora_A
-    without its lora_B (or the reverse), and ranks that contradict ``r`` / ``rank_pattern``.
+    config (a field of the wrong type or range), a peft_type other than LORA, an option jqlora
+    cannot apply ("not supported: <option> in <file>", see `UNSUPPORTED_OPTIONS`; rank_pattern
+    and alpha_pattern are read), a missing weights file, an unknown tensor key, a tensor holding
+    NaN or Inf, a lora_A without its lora_B (or the reverse), and ranks that contradict ``r`` /
+    ``rank_pattern``.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -241,11 +311,7 @@ def load_peft_adapter(path):
     for key, arr in tensors.items():
         m = _KEY_RE.match(key)
         if m is None:
-            raise AdapterFormatError(
-                f"{weights_file}: unknown tensor key {key!r}; expected "
-                f"'base_model.model.<module>.lora_A.weight' or '...lora_B.weight' (LoRA without bias, DoRA, "
-                f"modules_to_save or embeddings)"
-            )
+            raise AdapterFormatError(f"{weights_file}: unknown tensor key {key!r}: {_unknown_key_reason(key)}")
         module, which = m.group("module"), m.group("which")
         adapters.add(m.group("adapter"))
         if which in found.setdefault(module, {}):
@@ -279,6 +345,23 @@ def load_peft_adapter(path):
     return lora_params, config
 
 
+def _unknown_key_reason(key: str) -> str:
+    """What a tensor key that is not plain LoRA most likely belongs to."""
+    expected = "expected 'base_model.model.<module>.lora_A.weight' or '...lora_B.weight'"
+    if not key.startswith(KEY_PREFIX):
+        return f"{expected} (the key lacks the {KEY_PREFIX!r} prefix)"
+    for marker, what in ((".lora_magnitude_vector", "DoRA (use_dora)"),
+                         (".lora_embedding_", "embedding LoRA"),
+                         (".modules_to_save.", "modules_to_save"),
+                         (".trainable_tokens_", "trainable_token_indices")):
+        if marker in key:
+            return f"not supported: {what}"
+    if re.search(r"\.lora_B(\.[^.]+)?\.bias$", key):
+        return "not supported: lora_bias"
+    return (f"{expected}; a tensor of the base model itself (modules_to_save, a trained bias) is not "
+            "supported")
+
+
 def _read_config(config_file: str) -> dict:
     if not os.path.isfile(config_file):
         raise AdapterFormatError(f"{config_file}: missing (not a PEFT adapter directory)")
@@ -296,18 +379,49 @@ def _read_config(config_file: str) -> dict:
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise AdapterFormatError(f"{config_file}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")
+
+    def bad(key, want):
+        return AdapterFormatError(f"{config_file}: {key!r} must be {want}, got {config.get(key)!r}")
+
     r = config.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise AdapterFormatError(f"{config_file}: 'r' must be a positive integer, got {r!r}")
+        raise bad("r", "a positive integer")
     alpha = config.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise AdapterFormatError(f"{config_file}: 'lora_alpha' must be a number, got {alpha!r}")
-    rank_pattern = config.get("rank_pattern") or {}
-    if not isinstance(rank_pattern, dict):
-        raise AdapterFormatError(f"{config_file}: 'rank_pattern' must be an object, got {rank_pattern!r}")
-    for key in ("use_dora",):
-        if config.get(key):
-            raise AdapterFormatError(f"{config_file}: {key}=true is not supported (plain LoRA only)")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise bad("lora_alpha", "a finite number")
+    dropout = config.get("lora_dropout")
+    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
+                                or not 0.0 <= dropout < 1.0):
+        raise bad("lora_dropout", "a number in [0, 1) or null")
+    if config.get("use_rslora") is not None and not isinstance(config.get("use_rslora"), bool):
+        raise bad("use_rslora", "true, false or null")
+    base = config.get("base_model_name_or_path")
+    if base is not None and not isinstance(base, str):
+        raise bad("base_model_name_or_path", "a string or null")
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise AdapterFormatError(f"{config_file}: 'target_modules' regex {targets!r} is invalid: {e}") from None
+    elif not (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
+        raise bad("target_modules", "a non-empty list of module names or a regex string")
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = config.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise bad(key, "an object")
+        for k, v in pattern.items():
+            try:
+                re.compile(k)
+            except re.error as e:
+                raise AdapterFormatError(f"{config_file}: {key} key {k!r} is not a valid regex: {e}") from None
+            if key == "rank_pattern":
+                ok, want = isinstance(v, int) and v > 0, "a positive integer"
+            else:
+                ok, want = isinstance(v, (int, float)) and math.isfinite(v), "a finite number"
+            if isinstance(v, bool) or not ok:
+                raise AdapterFormatError(f"{config_file}: {key}[{k!r}] is {v!r}, expected {want}")
+    unsupported(config, config_file, per_module=False)
     return config
 
 
@@ -319,11 +433,18 @@ def _read_safetensors(weights_file: str) -> dict:
                 if dtype not in _FLOAT_DTYPES:
                     raise AdapterFormatError(
                         f"{weights_file}: tensor {key!r} has dtype {dtype}; expected F32, F16, BF16 or F64")
-            return {key: f.get(key, copy=True) for key in f.keys()}
+            tensors = {key: f.get(key, copy=True) for key in f.keys()}
     except AdapterFormatError:
         raise
     except CheckpointError as e:  # the message names the file (and the tensor)
         raise AdapterFormatError(f"not a valid safetensors file: {e}") from e
+    for key, arr in tensors.items():
+        finite = np.isfinite(arr.astype(np.float32, copy=False))  # adapters are small: a host pass
+        if not finite.all():
+            i = int(np.flatnonzero(~finite.reshape(-1))[0])
+            raise AdapterFormatError(f"{weights_file}: tensor {key!r} holds NaN or Inf (element {i} of {arr.size} "
+                                     f"is {arr.reshape(-1)[i]}); the adapter is corrupt")
+    return tensors
 
 
 __all__ = ["save_peft_adapter", "load_peft_adapter", "AdapterFormatError", "CONFIG_NAME", "WEIGHTS_NAME"]

@@ -1,5 +1,5 @@
 """Small helpers shared by the library, the demo and the CLI: dtype names, quiet third-party logging,
-byte counts.
+byte counts, and what the CLI's `auto` defaults (attention, remat) resolve to on this machine.
 
 Nothing heavy is imported at module level: the CLI imports this before jax or torch.
 """
@@ -50,6 +50,74 @@ def default_compute_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+ATTENTION_CHOICES = ("auto", "einsum", "xla", "cudnn")
+
+# What `auto` picks, said once here and in every command's --help.
+ATTENTION_AUTO_HELP = ("auto = cudnn (cuDNN flash attention; packed rows run cuDNN's packed layout) on a GPU "
+                       "where cuDNN attention runs the compute dtype (bf16/fp16), einsum (jnp, float32 "
+                       "scores) elsewhere")
+
+
+def cudnn_attention_available() -> bool:
+    """Whether cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) can
+    run here: a GPU of compute capability >= 8.0 (Ampere on) and cuDNN >= 8.9.4."""
+    import jax  # noqa: PLC0415
+
+    if jax.default_backend() != "gpu":
+        return False
+    try:
+        cc = float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version  # noqa: PLC0415
+
+        return cc >= 8.0 and check_cudnn_version() >= 8904
+    except Exception:  # noqa: BLE001 - no cuDNN, or a jax without this wrapper: the jnp path
+        return False
+
+
+def resolve_attention(name: str, compute_dtype: str) -> tuple[str, str]:
+    """The attention implementation a model runs for the CLI's `--attention NAME`, and why.
+
+    `auto` is cuDNN flash attention where it runs (a GPU, bf16/fp16 compute; the model then runs
+    packed training rows through cuDNN's packed layout, `jqlora.models.packed_attention`), and the
+    einsum path elsewhere (float32 scores: the reference the cross-checks use).
+
+    Args:
+      name: one of `ATTENTION_CHOICES`; anything but "auto" is returned as is.
+      compute_dtype: the compute dtype name ("float32", "bfloat16", "float16").
+
+    Returns:
+      (implementation, reason): the implementation for `load_causal_lm(attention=...)` and a
+      short phrase saying why it was chosen.
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    if name not in ATTENTION_CHOICES:
+        raise ValueError(f"unknown attention {name!r}; expected one of {', '.join(ATTENTION_CHOICES)}")
+    if name != "auto":
+        return name, "requested"
+    import jax  # noqa: PLC0415
+
+    if jax.default_backend() != "gpu":
+        return "einsum", f"auto: no GPU (JAX backend {jax.default_backend()})"
+    if compute_dtype not in ("bfloat16", "float16"):
+        return "einsum", f"auto: cuDNN attention needs bf16/fp16, the compute dtype is {compute_dtype}"
+    if not cudnn_attention_available():
+        return "einsum", "auto: cuDNN flash attention is not available on this GPU/cuDNN"
+    return "cudnn", "auto: GPU with cuDNN flash attention"
+
+
+def resolve_remat(remat):
+    """The remat setting handed to training for the CLI's `--remat`: "auto" stays "auto" where
+    the models pick a policy by memory (`jqlora.models.remat_plan`); with models that do not,
+    "auto" means no remat, those models' default. Any other value is returned as is."""
+    if remat != "auto":
+        return remat
+    from jqlora import models  # noqa: PLC0415
+
+    return "auto" if hasattr(models, "remat_plan") else False
+
+
 def fmt_bytes(n: float) -> str:
     """A byte count in binary units: 512 B, 1.50 KiB, 2.00 GiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -59,4 +127,5 @@ def fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-__all__ = ["DTYPES", "quiet_third_party", "jnp_dtype", "default_compute_dtype", "fmt_bytes"]
+__all__ = ["DTYPES", "quiet_third_party", "jnp_dtype", "default_compute_dtype", "fmt_bytes", "ATTENTION_CHOICES",
+           "ATTENTION_AUTO_HELP", "cudnn_attention_available", "resolve_attention", "resolve_remat"]

@@ -13,10 +13,12 @@ module only maps it onto `jqlora.lora.LoraConfig` and a model's LoRA layers:
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from jqlora.lora import LoraConfig, lora_params_by_module, named_linears, set_lora_params
+from jqlora.lora import LoraConfig, linear_names, lora_params_by_module, set_lora_params
 
 
 class AdapterMismatchError(ValueError):
@@ -25,27 +27,52 @@ class AdapterMismatchError(ValueError):
 
 
 def lora_config_from_peft(cfg: Mapping[str, Any], where: str = "adapter_config.json") -> LoraConfig:
-    """The LoraConfig a PEFT LoRA adapter config describes. Per-module ranks/alphas
-    (rank_pattern / alpha_pattern), DoRA, bias training and fan_in_fan_out are not supported."""
-    for key in ("rank_pattern", "alpha_pattern"):
-        if cfg.get(key):
-            raise AdapterMismatchError(f"{where}: {key} (per-module rank/alpha) is not supported by jqlora")
-    if cfg.get("use_dora"):
-        raise AdapterMismatchError(f"{where}: use_dora=true is not supported (plain LoRA only)")
-    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
-        raise AdapterMismatchError(f"{where}: bias={cfg.get('bias')!r} / lora_bias adapters are not supported")
-    if cfg.get("fan_in_fan_out"):
-        raise AdapterMismatchError(f"{where}: fan_in_fan_out=true (Conv1D/GPT-2 layout) is not supported")
-    if cfg.get("modules_to_save"):
-        raise AdapterMismatchError(f"{where}: modules_to_save {cfg['modules_to_save']!r} is not supported")
-    targets = cfg.get("target_modules")
+    """The LoraConfig a PEFT LoRA adapter config describes.
+
+    Args:
+      cfg: the parsed adapter_config.json.
+      where: the file to name in errors.
+
+    Raises:
+      AdapterMismatchError: an option jqlora cannot apply ("not supported: <option> in <where>":
+        per-module ranks or alphas, DoRA, layers_to_transform, modules_to_save, embedding LoRA,
+        trained biases, fan_in_fan_out, ...; the list is `interop.peft_adapter.UNSUPPORTED_OPTIONS`),
+        or a field of the wrong type or range (r, lora_alpha, lora_dropout, target_modules,
+        use_rslora).
+    """
+    from interop.peft_adapter import AdapterFormatError, unsupported
+
+    if not isinstance(cfg, Mapping):
+        raise AdapterMismatchError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        unsupported(cfg, where)
+    except AdapterFormatError as e:
+        raise AdapterMismatchError(str(e)) from None
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    dropout, rslora, targets = cfg.get("lora_dropout"), cfg.get("use_rslora"), cfg.get("target_modules")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise AdapterMismatchError(f"{where}: 'r' must be a positive integer, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise AdapterMismatchError(f"{where}: 'lora_alpha' must be a finite number, got {alpha!r}")
+    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
+                                or not 0.0 <= dropout < 1.0):
+        raise AdapterMismatchError(f"{where}: 'lora_dropout' must be a number in [0, 1) or null, got {dropout!r}")
+    if rslora is not None and not isinstance(rslora, bool):
+        raise AdapterMismatchError(f"{where}: 'use_rslora' must be true, false or null, got {rslora!r}")
     if targets is None:
         raise AdapterMismatchError(f"{where}: target_modules is missing")
-    if not isinstance(targets, str):
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise AdapterMismatchError(f"{where}: 'target_modules' regex {targets!r} is invalid: {e}") from None
+    elif isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) and t for t in targets):
         targets = tuple(targets)
-    return LoraConfig(rank=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", cfg["r"])),
-                      dropout=float(cfg.get("lora_dropout", 0.0) or 0.0), target_modules=targets,
-                      use_rslora=bool(cfg.get("use_rslora", False)))
+    else:
+        raise AdapterMismatchError(f"{where}: 'target_modules' must be a non-empty list of module names or a "
+                                   f"regex string, got {targets!r}")
+    return LoraConfig(rank=r, alpha=float(alpha), dropout=float(dropout or 0.0), target_modules=targets,
+                      use_rslora=bool(rslora))
 
 
 def save_adapter(path, model, lora_config: LoraConfig, *, base_model: Optional[str] = None) -> str:
@@ -55,10 +82,11 @@ def save_adapter(path, model, lora_config: LoraConfig, *, base_model: Optional[s
     params = lora_params_by_module(model)
     if not params:
         raise ValueError("the model has no LoRA layers: nothing to export")
-    targets = lora_config.target_modules
+    from jqlora.lora.config import peft_target_modules
+
     return interop.save_peft_adapter(
         path, params, rank=int(lora_config.rank), alpha=float(lora_config.alpha),
-        target_modules=targets if isinstance(targets, str) else list(targets),
+        target_modules=peft_target_modules(lora_config.target_modules, list(params)),
         base_model_name_or_path=base_model, use_rslora=bool(lora_config.use_rslora),
         dropout=float(lora_config.dropout))
 
@@ -75,7 +103,7 @@ def attach_adapter(model, params: Mapping[str, Mapping[str, Any]], *, where: str
     """Set the model's LoRA weights from `params` (every adapter module must be a LoRA layer of
     the model and every LoRA layer must be given). Returns a report: matched modules, the model's
     linear layers the adapter leaves alone, rank, parameter count."""
-    layers = dict(named_linears(model))
+    layers = linear_names(model)  # names only: no per-layer copies of stacked weights
     unknown = sorted(set(params) - set(layers))
     if unknown:
         raise AdapterMismatchError(f"{where}: module(s) {unknown[:5]} not in the model"
@@ -130,7 +158,8 @@ def import_adapter(adapter, model_path=None, *, tokens: int = 16, dtype: str = "
 
     Raises:
       interop.peft_adapter.AdapterFormatError: no such adapter directory, or a malformed adapter.
-      AdapterMismatchError: no model to apply it to, or the adapter does not fit the model.
+      AdapterMismatchError: no model to apply it to, the adapter does not fit the model, or the
+        logits with or without it hold NaN or Inf.
     """
     from interop.peft_adapter import AdapterFormatError
 
@@ -164,6 +193,10 @@ def import_adapter(adapter, model_path=None, *, tokens: int = 16, dtype: str = "
     y1 = np.asarray(jax.device_get(fwd(model, jnp.asarray(ids)).astype(jnp.float32)))
     y0 = np.asarray(jax.device_get(fwd(base_model, jnp.asarray(ids)).astype(jnp.float32)))
     delta = float(np.max(np.abs(y1 - y0)))
+    if not (np.all(np.isfinite(y0)) and np.all(np.isfinite(y1))):
+        which = "the base model's" if not np.all(np.isfinite(y0)) else "the adapted model's"
+        raise AdapterMismatchError(f"{adapter}: {which} logits hold NaN or Inf ({dtype} compute on {model_path}); "
+                                   "the adapter does not apply cleanly")
     b_zero = sorted(m for m, p in params.items() if not np.any(np.asarray(p["lora_B"], np.float32)))
     targets = lora_cfg.target_modules
     return dict(

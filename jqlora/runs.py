@@ -3,11 +3,17 @@
 A run directory (the `out_dir` of `jqlora train` or of the demo) holds `checkpoints/step_*`,
 loss.csv / loss.png and the run record `jqlora_run.json`. The record says what a checkpoint alone
 does not: the base model, the compute dtype, the LoRA settings and the TrainConfig. It is written
-before training starts, so a partial run can still be exported. Its keys:
+once every check of a run has passed, before its first step (so a partial run can still be
+exported, and a refused or failed command leaves the record of the run already there untouched),
+and again at the end. Its keys:
 
     format "jqlora-run", version 1, model, compute_dtype, backend, attention (optional),
     quantize (optional), init_adapter (optional), adapter_out (optional),
-    lora {rank, alpha, dropout, target_modules, use_rslora}, train {TrainConfig fields}
+    lora {rank, alpha, dropout, target_modules, use_rslora}, train {TrainConfig fields},
+    skipped_batches (optional: steps' batches skipped for having no supervised token)
+
+One process writes to a run directory at a time: `lock_run_dir` holds an exclusive `flock` on
+`<out_dir>/jqlora.lock` (released by the OS however the holder ends, kill -9 included).
 
 Config files (`jqlora train --config`) and the record are JSON or TOML objects read by
 `load_config_file`. Errors are `RunError`, a ValueError whose message names the file or directory.
@@ -15,12 +21,15 @@ Nothing heavy is imported at module level: the CLI imports this before jax.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 RUN_FILE = "jqlora_run.json"
+LOCK_FILE = "jqlora.lock"
 RUN_FORMAT = "jqlora-run"
 RUN_VERSION = 1
 
@@ -28,6 +37,86 @@ RUN_VERSION = 1
 class RunError(ValueError):
     """A run directory, run record, checkpoint choice or config file that cannot be used; the
     message names the file or directory."""
+
+
+class RunLockedError(RunError):
+    """Another live process holds the run directory's lock; the message names the lock file and
+    the holder's pid."""
+
+
+def _lock_holder(fd: int) -> str:
+    """The pid written in an open lock file, or '' (a holder writes it just after locking)."""
+    try:
+        return os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def lock_run_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Hold the exclusive writer lock of a run directory while the `with` body runs.
+
+    Why a `flock` and not a pid file alone: the OS drops it when its holder ends in any way
+    (kill -9 included), so a lock can never outlive its process, and a pid that was reused by an
+    unrelated process cannot keep the directory locked. The lock file holds the holder's pid (for
+    the message) and is removed on release; one left behind by a killed process is stale and is
+    taken over with a message on stderr. A directory this call creates and leaves empty is removed
+    again on release, so a refused command leaves no trace.
+
+    Args:
+      out_dir: the run directory (created if missing).
+
+    Yields:
+      The lock file's path.
+
+    Raises:
+      RunLockedError: another live process holds the lock.
+      OSError: the directory or the lock file cannot be created (read-only, permissions, disk full).
+    """
+    import fcntl
+
+    d = Path(out_dir)
+    created = not d.exists()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / LOCK_FILE
+    try:
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _lock_holder(fd)
+                os.close(fd)
+                raise RunLockedError(
+                    f"{path}: {d} is in use by another jqlora process (pid {holder or 'unknown'}); "
+                    "wait for it to end or choose another out_dir") from None
+            try:  # the previous holder may have removed the file between our open and our flock
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+    try:
+        stale = _lock_holder(fd)
+        if stale:
+            print(f"{path}: taking over the stale lock of pid {stale}, which is no longer running",
+                  file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # before unlocking: a waiter then retries on a fresh file
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only when empty
 
 
 def load_config_file(path: str | os.PathLike) -> dict:
@@ -88,8 +177,13 @@ def write_run_record(out_dir: str | os.PathLike, record: dict) -> Path:
     """
     from interop.atomic_io import write_json_atomic
 
-    return write_json_atomic(Path(out_dir) / RUN_FILE,
-                             {"format": RUN_FORMAT, "version": RUN_VERSION, **record})
+    path = Path(out_dir) / RUN_FILE
+    try:
+        return write_json_atomic(path, {"format": RUN_FORMAT, "version": RUN_VERSION, **record})
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # e.g. ENOSPC from a write(): say which file
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 def find_run_file(source: str | os.PathLike) -> Optional[Path]:
@@ -194,5 +288,6 @@ def export_adapter(source, out, *, step: Optional[int] = None, model_path=None) 
                 rank=lora_cfg.rank, alpha=lora_cfg.alpha)
 
 
-__all__ = ["RUN_FILE", "RUN_FORMAT", "RUN_VERSION", "RunError", "load_config_file", "lora_record",
+__all__ = ["RUN_FILE", "RUN_FORMAT", "RUN_VERSION", "LOCK_FILE", "RunError", "RunLockedError", "lock_run_dir",
+           "load_config_file", "lora_record",
            "lora_config_from_record", "write_run_record", "find_run_file", "find_checkpoint", "export_adapter"]

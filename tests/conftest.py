@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("JQLORA_COMPILE_CACHE", "0")  # in-process CLI tests never write the per-user cache
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -125,12 +125,9 @@ def _jax_loss_and_grads_jit(model, ids, targets, mask):
 def _jax_loss_and_grads(model, ids, targets, mask):
     loss, grads = _jax_loss_and_grads_jit(model, jnp.asarray(ids, jnp.int32), jnp.asarray(targets, jnp.int32),
                                           jnp.asarray(mask))
-    # inverse of lora_params_by_module: state path (..., module, "lora_A"|"lora_B") -> HF module name
-    by_module = {}
-    for path, var in nnx.to_flat_state(grads):
-        *mod, key = (str(p) for p in path)
-        assert key in ("lora_A", "lora_B"), path
-        by_module.setdefault(".".join(mod), {})[key] = np.asarray(var.get_value(), np.float64)
+    # by HF module name, as lora_params_by_module names the params (stacked layers split per layer)
+    by_module = {name: {k: np.asarray(v, np.float64) for k, v in g.items()}
+                 for name, g in lora.lora_state_by_module(model, grads).items()}
     assert set(by_module) == set(lora.lora_params_by_module(model))
     return float(loss), by_module
 

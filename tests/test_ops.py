@@ -74,19 +74,37 @@ def test_compute_dtype_is_an_argument_not_the_stored_dtype():
 
 
 def test_bf16_then_fp16_models_in_one_process():
-    """The PyTorch stack's global dequant buffer went stale when the dtype changed; here nothing is global."""
-    w, _ = _weights()
-    q_bf = quant.quantize_4bit(w.astype(jnp.bfloat16), "nf4", 64, True)
-    q_fp = quant.quantize_4bit(w.astype(jnp.float16), "nf4", 64, True)
-    x = jax.random.normal(jax.random.key(5), (4, 128), jnp.float32)
+    """bitsandbytes once kept a global dequant buffer keyed without the dtype: a second model in
+    another dtype got the first model's buffer. Here one quantized weight is used in bf16 and fp16
+    in both orders, eager and jitted: each dequantization must be bit for bit the fp32 weight
+    rounded once to its own dtype, and each product must match its own dtype's float64 reference
+    far closer than the other dtype's (checked to differ, so a stale buffer cannot pass)."""
+    bf16, fp16 = jnp.bfloat16, jnp.float16
+    w, _ = _weights(n=40, k=192, seed=11)  # a shape no other test here uses: no entry from before
+    q = quant.quantize_4bit(w, "nf4", 64, True)
+    w32 = quant.dequantize(q, jnp.float32)
+    x = jax.random.normal(jax.random.key(5), (16, 192), jnp.float32)
     f = jax.jit(lambda x, q: ops.qmatmul(x, q, backend="xla"))
-    for _ in range(2):
-        y_bf = f(x.astype(jnp.bfloat16), q_bf)
-        y_fp = f(x.astype(jnp.float16), q_fp)
-        assert y_bf.dtype == jnp.bfloat16 and y_fp.dtype == jnp.float16
-        expect = _oracle(x, q_bf)
-        np.testing.assert_allclose(np.asarray(y_bf, np.float64), expect, rtol=3e-2, atol=3e-2)
-        np.testing.assert_allclose(np.asarray(y_fp, np.float64), _oracle(x, q_fp), rtol=3e-3, atol=3e-3)
+
+    def ref(dt):  # x and W each rounded once to dt, the product in float64
+        return np.asarray(x.astype(dt), np.float64) @ np.asarray(w32.astype(dt), np.float64).T
+
+    refs = {bf16: ref(bf16), fp16: ref(fp16)}
+    y_fp = np.asarray(f(x.astype(fp16), q), np.float64)
+    err = np.abs(y_fp - refs[fp16]).max()
+    assert np.abs(y_fp - refs[bf16]).max() > 4 * err  # the references tell the dtypes apart
+    for order in ((bf16, fp16), (fp16, bf16), (bf16, fp16)):
+        for dt in order:
+            wd = quant.dequantize(q, dt)
+            assert wd.dtype == dt
+            np.testing.assert_array_equal(np.asarray(wd, np.float32), np.asarray(w32.astype(dt), np.float32))
+            for y in (f(x.astype(dt), q), ops.qmatmul(x.astype(dt), q, backend="xla")):
+                assert y.dtype == dt
+                other = refs[fp16 if dt == bf16 else bf16]
+                mine = np.abs(np.asarray(y, np.float64) - refs[dt]).max()
+                assert mine <= 2 * (err if dt == fp16 else np.abs(refs[bf16]).max() * 2.0 ** -8)
+                if dt == fp16:
+                    assert mine < np.abs(np.asarray(y, np.float64) - other).max() / 2
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])

@@ -1,4 +1,6 @@
-"""jqlora.train: data, optimizer, train loop, checkpoints (CPU, tiny stub model)."""
+"""jqlora.train: data, optimizer, train loop, checkpoints (CPU). Gradient accumulation, resume and
+the NaN guard run on jqlora's own Llama with NF4 weights (`nf4_llama`); data and checkpoint-format
+tests use a tiny stub model."""
 from __future__ import annotations
 
 import csv
@@ -79,6 +81,21 @@ class StubLM(nnx.Module):
         h = self.embed(input_ids) + jnp.where(same, self.prev(prev_ids), 0.0)
         h = h + self.drop(jnp.tanh(self.proj(h)))
         return self.head(h)
+
+
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+
+
+def nf4_llama(dropout=0.0, seed=0):
+    """jqlora's Llama (2 layers, NF4 weights with double quantization) with rank-4 LoRA on every
+    projection; models of equal settings share one compiled train step."""
+    from jqlora import lora, models
+
+    params = models.init_params(LLAMA, seed=0, std=0.1)
+    return models.from_params(params, LLAMA, quantize="nf4", compute_dtype=jnp.float32,
+                              lora=lora.LoraConfig(rank=4, alpha=8.0, dropout=dropout),
+                              rngs=nnx.Rngs(params=seed, dropout=seed + 100))
 
 
 def lora_arrays(model) -> list[np.ndarray]:
@@ -334,15 +351,15 @@ def test_grad_accumulation_equals_big_batch(tmp_path, tok_path):
     data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(20, seed=1))
     out = {}
     for bs, k in [(4, 1), (2, 2)]:
-        model = StubLM()
+        model = nf4_llama()
         cfg = base_config(tmp_path, tok_path, data, batch_size=bs, grad_accum=k, steps=3,
                           packing=False, out_dir=str(tmp_path / f"run{bs}"))
         res = T.train(model, cfg)
         out[k] = (res.losses, lora_arrays(model))
-    np.testing.assert_allclose(out[1][0], out[2][0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out[1][0], out[2][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(out[1][1], out[2][1]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert np.abs(out[1][1][1]).max() > 0  # lora_b moved
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert max(np.abs(b).max() for b in out[1][1]) > 1e-3  # LoRA moved
 
 
 class Crash(RuntimeError):
@@ -354,7 +371,7 @@ def test_resume_after_interruption_is_exact(tmp_path, tok_path):
     N = 6
     kw = dict(steps=N, save_every=N // 2, log_every=1, seq_len=16, batch_size=2, grad_accum=2)
 
-    straight = StubLM(dropout=0.2)
+    straight = nf4_llama(dropout=0.2)
     ra = T.train(straight, base_config(tmp_path, tok_path, data, out_dir=str(tmp_path / "a"),
                                        **kw))
 
@@ -365,9 +382,9 @@ def test_resume_after_interruption_is_exact(tmp_path, tok_path):
     cfg_b = base_config(tmp_path, tok_path, data, out_dir=str(tmp_path / "b"), **kw)
     first = []
     with pytest.raises(Crash):
-        T.train(StubLM(dropout=0.2), cfg_b,
+        T.train(nf4_llama(dropout=0.2), cfg_b,
                 on_step=lambda s, m: (first.append(m["loss"]), crash(s, m)))
-    resumed = StubLM(dropout=0.2)  # fresh objects, as in a new process
+    resumed = nf4_llama(dropout=0.2)  # fresh objects, as in a new process
     rb = T.train(resumed, cfg_b, resume=True)
     assert rb.resumed_from == N // 2 and rb.steps == list(range(N // 2 + 1, N + 1))
     assert first + rb.losses == ra.losses  # bitwise: same batches, same dropout masks
@@ -376,7 +393,7 @@ def test_resume_after_interruption_is_exact(tmp_path, tok_path):
     with open(rb.csv_path) as f:
         assert [int(r[0]) for r in list(csv.reader(f))[1:]] == list(range(1, N + 1))
     # resuming a finished run is a no-op
-    assert T.train(StubLM(dropout=0.2), cfg_b, resume=True).steps == []
+    assert T.train(nf4_llama(dropout=0.2), cfg_b, resume=True).steps == []
 
 
 class _RecordingStep:
@@ -467,28 +484,57 @@ def test_nan_guard_names_step_and_keeps_checkpoint(tmp_path, tok_path, tok):
     data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(12))
     cfg = base_config(tmp_path, tok_path, data, steps=6, save_every=2)
     it = T.make_batch_iterator(data, tok, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=3)
-    model = StubLM()
+    model = nf4_llama()
     seen = {}
-    with pytest.raises(T.NonFiniteLossError, match=r"at step 3\b") as e:
+    with pytest.raises(T.NonFiniteLossError, match=r"at step 3\b") as e, \
+            pytest.warns(UserWarning, match="step_00000002 gave a non-finite loss at step 3"):
         T.train(model, cfg, data=PoisonAt(it, 3),
                 on_step=lambda s, m: seen.__setitem__(s, lora_arrays(model)))
-    assert e.value.step == 3 and "step_00000002" in str(e.value)
+    # step 3's loss came from the step-2 checkpoint's weights: set aside, not resumed from
+    assert e.value.step == 3 and e.value.checkpoint is None
+    assert "the weights of step_00000002 gave it: moved to rejected_step_00000002" in str(e.value)
     ck = Path(cfg.out_dir) / "checkpoints"
-    assert [p.name for p in sorted(ck.iterdir())] == ["step_00000002"]
+    assert [p.name for p in sorted(ck.iterdir())] == ["rejected_step_00000002"]
     # the failed update was not applied in memory either
     for a, b in zip(seen[2], lora_arrays(model)):
         np.testing.assert_array_equal(a, b)
-    # the checkpoint is intact and restores to the step-2 params
-    fresh = StubLM()
+    # the checkpoint set aside is intact and restores to the step-2 params
+    fresh = nf4_llama()
     opt = nnx.Optimizer(fresh, T.make_optimizer(1e-2, 2, 6), wrt=nnx.LoRAParam)
-    _, step = T.restore_checkpoint(ck, fresh, opt)
+    _, step = T.restore_checkpoint(ck / "rejected_step_00000002", fresh, opt)
     assert step == 2
     for a, b in zip(seen[2], lora_arrays(fresh)):
         np.testing.assert_array_equal(a, b)
     # lr = inf: the first update produces non-finite params -> step 1
     cfg2 = base_config(tmp_path, tok_path, data, lr=float("inf"), out_dir=str(tmp_path / "inf"))
     with pytest.raises(T.NonFiniteLossError, match=r"at step 1\b"):
-        T.train(StubLM(), cfg2)
+        T.train(nf4_llama(), cfg2)
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_nan_guard_with_save_every_1_keeps_a_checkpoint_that_resumes(tmp_path, tok_path, tok, keep):
+    """save_every=1: the checkpoint of the step before a non-finite loss holds the weights that
+    produced it; it is set aside, the error names the one before (still there with keep=1), and a
+    resume from it (once the data is fixed) ends with the params of a run that never failed."""
+    data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(12))
+    kw = dict(steps=5, save_every=1, keep_checkpoints=keep, seq_len=16, batch_size=2)
+    cfg = base_config(tmp_path, tok_path, data, **kw)
+    it = T.make_batch_iterator(data, tok, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=3)
+    with pytest.warns(UserWarning, match="step_00000003 gave a non-finite loss at step 4"):
+        with pytest.raises(T.NonFiniteLossError, match=r"at step 4\b") as e:
+            T.train(nf4_llama(), cfg, data=PoisonAt(it, 4))
+    ck = Path(cfg.out_dir) / "checkpoints"
+    assert e.value.checkpoint == ck / "step_00000002" and "step_00000002" in str(e.value)
+    assert sorted(p.name for p in ck.iterdir()) == ["rejected_step_00000003", "step_00000002"]
+    resumed = nf4_llama()
+    res = T.train(resumed, cfg, resume=True)
+    assert res.resumed_from == 2 and res.steps == [3, 4, 5]
+    straight = nf4_llama()
+    T.train(straight, base_config(tmp_path, tok_path, data, out_dir=str(tmp_path / "straight"), **kw))
+    for a, b in zip(lora_arrays(straight), lora_arrays(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(a).all() for a in lora_arrays(resumed))
+    assert [p.name for p in sorted(ck.glob("step_*"))][-keep:][-1] == "step_00000005"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The `jqlora` command line: `jqlora <command> --help` explains each command.
 
-Commands (one module each; torch, transformers and the models load only when a command runs):
+Commands (one module each; jax, torch, transformers and the models load only when a command runs,
+so `jqlora --help` and `jqlora <command> --help` answer without them):
 
   inspect         what a bitsandbytes checkpoint holds: per tensor format, shapes, bytes; totals
   train           LoRA fine-tuning of a (quantized) checkpoint from a JSON/TOML config and/or flags
@@ -12,12 +13,21 @@ Commands (one module each; torch, transformers and the models load only when a c
   bench           the GPU benchmark (benchmarks/run.py); GPU only, from a checkout of the repository
   demo            the end-to-end demo (`make demo`): build, quantize, fine-tune, export, cross-check
 
-Exit status: 0 ok, 1 internal error (traceback), 2 bad input or failed check (one-line message).
+Defaults pick the fastest correct path on the machine (train, generate): bf16 compute, cuDNN
+attention and the Pallas kernels on a GPU; float32, einsum attention and the jnp reference on a
+CPU; remat chosen by memory. Compiled programs are kept in a persistent cache (default
+$XDG_CACHE_HOME/jqlora/xla, else ~/.cache/jqlora/xla; JQLORA_COMPILE_CACHE=DIR chooses it,
+JQLORA_COMPILE_CACHE=0 or --no-compile-cache turns it off), so a second run of the same shapes
+skips compilation.
+
+Exit status: 0 ok, 1 internal error (traceback), 2 bad input or failed check (one-line message),
+141 standard output closed early (`jqlora inspect ... --json | head -1`; nothing printed).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 
@@ -45,26 +55,57 @@ def _command(name: str):
     return getattr(m, attr) if attr else m
 
 
-def build_parser() -> argparse.ArgumentParser:
+_NO_CACHE_HELP = ("do not use the persistent compilation cache (also: JQLORA_COMPILE_CACHE=0; "
+                  "JQLORA_COMPILE_CACHE=DIR chooses its directory)")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser. Every command is listed; `only` names the one command whose options
+    are added (None: all of them). Adding a command's options may import what it needs to
+    describe them (`train` reads the TrainConfig fields), so `main` adds only the command run."""
     p = argparse.ArgumentParser(
         prog="jqlora", description=__doc__.split("\n\n", 1)[0],
         epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     from jqlora import __version__
 
     p.add_argument("--version", action="version", version=f"jqlora {__version__}")
+    p.add_argument("--no-compile-cache", dest="no_compile_cache", action="store_true", help=_NO_CACHE_HELP)
     sub = p.add_subparsers(dest="command", metavar="<command>")
     for name in COMMANDS:
         cmd = _command(name)
         sp = sub.add_parser(name, help=cmd.HELP, description=cmd.DESCRIPTION, formatter_class=HelpFormatter)
-        cmd.add_arguments(sp)
+        if only is None or only == name:
+            cmd.add_arguments(sp)
+            sp.add_argument("--no-compile-cache", dest="no_compile_cache", action="store_true",
+                            default=argparse.SUPPRESS, help=_NO_CACHE_HELP)
         sp.set_defaults(_cmd=cmd, _name=name)
     return p
+
+
+def _command_in(argv: list[str]) -> str:
+    """The command `argv` runs: its first word that is not an option ("" when there is none).
+    The top-level options (--help, --version, --no-compile-cache) take no value."""
+    return next((a for a in argv if not a.startswith("-")), "")
+
+
+def _enable_compile_cache(disabled: bool) -> None:
+    """Turn on the persistent compilation cache before the command compiles anything; a cache
+    directory that cannot be created is a warning, not an error (the command runs uncached)."""
+    from jqlora import compile_cache
+
+    path = compile_cache.cli_dir(disabled=disabled)
+    if path is None:
+        return
+    try:
+        compile_cache.enable(path)
+    except ValueError as e:
+        print(f"jqlora: warning: {message(e)}; running without the compilation cache", file=sys.stderr)
 
 
 def main(argv=None) -> int:
     """Run the CLI; returns the exit status (the console script passes it to sys.exit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(only=_command_in(argv))
     try:
         args, extra = parser.parse_known_args(argv)
     except SystemExit as e:  # --help, --version, usage errors: argparse already printed
@@ -77,9 +118,20 @@ def main(argv=None) -> int:
         return 2
     if extra:
         args.extra = extra
+    _enable_compile_cache(disabled=args.no_compile_cache)
     try:
         rc = args._cmd.run(args)
+        sys.stdout.flush()  # a reader that went away (`| head -1`) shows up here for buffered output
         return int(rc or 0)
+    except BrokenPipeError:
+        # The standard recipe (Python docs, "Note on SIGPIPE"): point stdout at devnull so the
+        # interpreter's final flush does not raise again, and exit quietly, as a tool killed by
+        # SIGPIPE does (128 + 13).
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file (captured in-process): nothing to flush
+            pass
+        return 141
     except KeyboardInterrupt:
         print(f"jqlora {args.command}: interrupted", file=sys.stderr)
         return 130

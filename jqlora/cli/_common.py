@@ -19,6 +19,27 @@ def expected_errors() -> tuple:
             IsADirectoryError, PermissionError)
 
 
+_DISK_ERRNOS = {"ENOSPC": "no space left on device", "EDQUOT": "disk quota exceeded",
+                "EROFS": "read-only file system", "EACCES": "permission denied", "EPERM": "operation not permitted"}
+
+
+def disk_error(e: OSError) -> CLIError | None:
+    """The one-line CLIError for a write that the disk refused (full, quota, read-only, no
+    permission), naming the path; None for any other OSError.
+
+    Args:
+      e: the error, whose ``filename`` names the path where the writer knew it.
+    """
+    import errno
+
+    names = {getattr(errno, n): text for n, text in _DISK_ERRNOS.items() if hasattr(errno, n)}
+    if e.errno not in names:
+        return None
+    where = e.filename if e.filename is not None else "(path not reported)"
+    return CLIError(f"{where}: {names[e.errno]} ({e.strerror or errno.errorcode.get(e.errno, e.errno)}); "
+                    "files already there were left as they were")
+
+
 def message(e: BaseException) -> str:
     """The one-line message of an expected error (a KeyError's key without quotes)."""
     if isinstance(e, KeyError) and e.args:

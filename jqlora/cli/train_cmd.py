@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from jqlora.cli._common import CLIError
-from jqlora.runs import RUN_FILE, RUN_FORMAT, RUN_VERSION, load_config_file, lora_record, write_run_record
+from jqlora._util import ATTENTION_AUTO_HELP, ATTENTION_CHOICES
+from jqlora.cli._common import CLIError, disk_error
+from jqlora.runs import (RUN_FILE, RUN_FORMAT, RUN_VERSION, load_config_file, lock_run_dir, lora_record,
+                         write_run_record)
 
 HELP = "LoRA fine-tuning of a (bitsandbytes) checkpoint; writes a PEFT adapter at the end"
 DESCRIPTION = """\
@@ -44,6 +47,7 @@ needs) and the adapter. --resume continues from the newest checkpoint with the s
 _TOP_KEYS = ("model", "compute_dtype", "backend", "attention", "quantize", "init_adapter", "adapter_out")
 _LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "use_rslora")
 _LORA_DEFAULTS = dict(rank=16, alpha=32.0, dropout=0.0, target_modules=None, use_rslora=False)
+_TRAIN_DEFAULTS = dict(remat="auto")  # the CLI's defaults where they differ from TrainConfig's
 
 
 def _train_fields():
@@ -85,8 +89,10 @@ _FIELD_HELP = {
     "lr": "peak learning rate", "warmup": "linear warmup steps", "steps": "total optimizer steps",
     "out_dir": "output directory", "save_every": "checkpoint every N steps (0: only at the end)",
     "eval_data_path": "JSONL evaluation data", "eval_every": "evaluate every N steps",
-    "resume": "continue from the newest checkpoint in out_dir", "progress": "progress bar (default: on a terminal)",
-    "remat": "rematerialize decoder layers (true or a policy name)", "grad_clip": "global-norm clip (none: off)",
+    "data_format": "auto (per line, from its keys), messages, alpaca, text or prompt_completion",
+    "chat_template": "a Jinja file replacing the tokenizer folder's chat template",
+    "resume": "continue from the newest checkpoint in out_dir", "progress": "progress bar (default: on a terminal; plain lines in a log file)",
+    "remat": "rematerialize decoder layers: auto (chosen by memory), true, false or a policy name", "grad_clip": "global-norm clip (none: off)",
 }
 
 
@@ -99,8 +105,8 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="dtype of every matmul (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--backend", default=S, choices=("auto", "pallas", "interpret", "xla"),
                    help="qmatmul backend (default auto)")
-    g.add_argument("--attention", default=S, choices=("einsum", "xla", "cudnn"),
-                   help="attention implementation (default einsum; cudnn = cuDNN flash attention on a GPU)")
+    g.add_argument("--attention", default=S, choices=ATTENTION_CHOICES,
+                   help=f"attention implementation (default auto; {ATTENTION_AUTO_HELP})")
     g.add_argument("--quantize", default=S, choices=("nf4", "fp4", "int8"),
                    help="quantize a plain checkpoint's linear layers at load")
     g.add_argument("--rank", type=int, default=S, help=f"LoRA rank (default {_LORA_DEFAULTS['rank']})")
@@ -123,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser):
     for name, f in _train_fields().items():
         typ = str(f.type)
         flag = "--" + name.replace("_", "-")
-        dflt = getattr(defaults, name)
+        dflt = _TRAIN_DEFAULTS.get(name, getattr(defaults, name))
         what = _FIELD_HELP.get(name, "")
         if typ in ("bool", "bool | None"):
             t.add_argument(flag, dest="t_" + name, action=argparse.BooleanOptionalAction, default=S,
@@ -157,7 +163,7 @@ def _split_file_settings(data: dict, where: str) -> dict:
                 train[tk] = tv
         elif k in fields:
             train[k] = v
-        elif k in ("format", "version"):
+        elif k in ("format", "version", "skipped_batches"):  # what a run record adds
             continue
         else:
             raise CLIError(f"{where}: unknown key {k!r}; expected {', '.join(_TOP_KEYS)}, 'lora', 'train' "
@@ -171,6 +177,8 @@ def _targets(v):
     if isinstance(v, str):
         if v.startswith("re:"):
             return v[3:]
+        if v.strip() == "all-linear":
+            return "all-linear"
         return tuple(s.strip() for s in v.split(",") if s.strip())
     return tuple(v)
 
@@ -203,10 +211,11 @@ def resolve_settings(args) -> dict:
     if cfg_file is not None:
         layers.append(cfg_file)
     layers.append(flags)
-    merged = {"top": {}, "lora": dict(_LORA_DEFAULTS), "train": {}}
+    merged = {"top": {}, "lora": dict(_LORA_DEFAULTS), "train": dict(_TRAIN_DEFAULTS)}
     for layer in layers:
         for part in merged:
             merged[part].update(layer[part])
+    merged["lora_explicit"] = sorted(set((cfg_file or {}).get("lora", {})) | set(flags["lora"]))
     merged["lora"]["target_modules"] = _targets(merged["lora"]["target_modules"])
     if stored is not None:
         # model, LoRA shape and dtype must match the run being resumed
@@ -240,11 +249,22 @@ def _flag_value(value, typ: str, name: str):
 
 
 def run(args) -> int:
+    with contextlib.ExitStack() as held:  # the out_dir's lock, once taken
+        try:
+            return _run(args, held)
+        except OSError as e:
+            err = disk_error(e)
+            if err is None:
+                raise
+            raise err from None
+
+
+def _run(args, held: contextlib.ExitStack) -> int:
     s = resolve_settings(args)
     top, lcfg, tcfg = s["top"], s["lora"], s["train"]
     if not top.get("model"):
         raise CLIError("no model: pass --model PATH or set `model` in the config file")
-    from jqlora._util import default_compute_dtype, jnp_dtype, quiet_third_party
+    from jqlora._util import default_compute_dtype, jnp_dtype, quiet_third_party, resolve_attention, resolve_remat
 
     quiet_third_party()
     from jqlora.train import TrainConfig
@@ -264,6 +284,12 @@ def run(args) -> int:
             config.tokenizer_path = str(model_path)
         else:
             raise CLIError(f"no tokenizer: {model_path} has no tokenizer.json; pass --tokenizer-path")
+    from jqlora.train.data import check_training_data
+
+    data = check_training_data(config, model_path)  # a bad line fails here, before the model loads
+    print(f"data: {data['train']['examples']} examples "
+          f"({', '.join(f'{k} {v}' for k, v in data['train']['formats'].items())}), "
+          f"{data['train']['trained_tokens']} of {data['train']['tokens']} tokens trained", file=sys.stderr)
     compute = top.get("compute_dtype") or default_compute_dtype()
     out_dir = Path(config.out_dir)
     adapter_out = Path(top.get("adapter_out") or out_dir / "adapter")
@@ -276,6 +302,12 @@ def run(args) -> int:
     init = None
     if top.get("init_adapter"):
         init_cfg, init_params, _ = adapters.load_adapter(top["init_adapter"])
+        from jqlora.lora.config import lora_conflicts
+
+        clash = lora_conflicts({k: lcfg[k] for k in s["lora_explicit"] if k in lcfg}, init_cfg)
+        if clash:
+            raise CLIError(f"--init-adapter {top['init_adapter']} conflicts with the LoRA settings given "
+                           f"({'; '.join(clash)}): drop them (the adapter's are used) or start a new adapter")
         lora_cfg = dataclasses.replace(init_cfg, dropout=float(lcfg.get("dropout") or 0.0))
         init = init_params
     else:
@@ -284,7 +316,7 @@ def run(args) -> int:
     record = {
         "format": RUN_FORMAT, "version": RUN_VERSION,
         "model": str(model_path.resolve()), "compute_dtype": compute, "backend": top.get("backend", "auto"),
-        "attention": top.get("attention", "einsum"),
+        "attention": top.get("attention", "auto"),
         **({"quantize": top["quantize"]} if top.get("quantize") else {}),
         **({"init_adapter": str(top["init_adapter"])} if top.get("init_adapter") else {}),
         **({"adapter_out": str(top["adapter_out"])} if top.get("adapter_out") else {}),
@@ -294,20 +326,34 @@ def run(args) -> int:
     if args.dry_run:
         print(json.dumps(record, indent=2))
         return 0
+    # one writer per out_dir; the run record is written by train() through on_ready, once the
+    # data and the checkpoint to resume from passed their checks: a refused run changes nothing
+    held.enter_context(lock_run_dir(out_dir))
+    attention, why = resolve_attention(top.get("attention", "auto"), compute)
+    print(f"attention: {attention} ({why})", file=sys.stderr)
     model = models.load_causal_lm(model_path, lora=lora_cfg, compute_dtype=jnp_dtype(compute),
                                   quantize=top.get("quantize"), backend=top.get("backend", "auto"),
-                                  attention=top.get("attention", "einsum"), rngs=nnx.Rngs(config.seed))
+                                  attention=attention, rngs=nnx.Rngs(config.seed), mesh=config.mesh)
     if init is not None:
         rep = adapters.attach_adapter(model, init, where=str(top["init_adapter"]))
         print(f"initialized {len(rep['matched'])} LoRA modules from {top['init_adapter']}", file=sys.stderr)
-    write_run_record(out_dir, record)  # before training: export-peft works on partial runs
     from jqlora.train import NonFiniteLossError, train
 
     try:
-        res = train(model, config)
+        res = train(model, dataclasses.replace(config, remat=resolve_remat(config.remat)),
+                    lock=False, on_ready=lambda: write_run_record(out_dir, record))
     except NonFiniteLossError as e:
         raise CLIError(str(e)) from None
-    adapters.save_adapter(adapter_out, model, lora_cfg, base_model=str(model_path))
+    try:
+        adapters.save_adapter(adapter_out, model, lora_cfg, base_model=str(model_path))
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # e.g. ENOSPC from a write(): say which adapter
+            raise OSError(e.errno, e.strerror, str(adapter_out)) from e
+        raise
+    if res.skipped_batches:
+        write_run_record(out_dir, {**record, "skipped_batches": res.skipped_batches})
+        print(f"skipped {res.skipped_batches} batch(es) without a supervised token (all-prompt "
+              "after truncation to seq_len)", file=sys.stderr)
     start = res.resumed_from
     print(f"trained steps {(start or 0) + 1}..{res.step}" + (f" (resumed from step {start})" if start else "")
           if res.steps else f"nothing to train: already at step {res.step} of {config.steps}")

@@ -6,6 +6,9 @@ import re
 from typing import Sequence, Union
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT's shorthand: every linear layer except the output layer (the LM head).
+ALL_LINEAR = "all-linear"
+OUTPUT_LAYER = "lm_head"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,7 +18,8 @@ class LoraConfig:
     target_modules: a sequence of names; an entry matches a module whose dotted name equals it
       or ends with "." + entry (PEFT's rule: "q_proj" matches "model.layers.0.self_attn.q_proj",
       "self_attn.q_proj" too). A single string is a regex that must match the *whole* dotted name
-      (`re.fullmatch`), e.g. r".*\\.(q|v)_proj".
+      (`re.fullmatch`), e.g. r".*\\.(q|v)_proj"; "all-linear" (PEFT's shorthand) is every linear
+      layer except the LM head.
     scale = alpha / rank, or alpha / sqrt(rank) with use_rslora.
     """
 
@@ -40,6 +44,51 @@ class LoraConfig:
 
 
 def module_name_matches(name: str, targets: Union[str, Sequence[str]]) -> bool:
+    """Whether the dotted module name `name` is one of `targets` (see `LoraConfig`)."""
+    if targets == ALL_LINEAR:
+        return name.rsplit(".", 1)[-1] != OUTPUT_LAYER
     if isinstance(targets, str):
         return re.fullmatch(targets, name) is not None
     return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def peft_target_modules(targets: Union[str, Sequence[str]], module_names: Sequence[str]):
+    """`targets` as written in a PEFT adapter_config.json: "all-linear" becomes the sorted last
+    components of the modules that have LoRA (what PEFT itself saves), anything else is kept.
+
+    Args:
+      targets: a LoraConfig's target_modules.
+      module_names: the dotted names of the modules with LoRA.
+    """
+    if targets == ALL_LINEAR:
+        return sorted({n.rsplit(".", 1)[-1] for n in module_names})
+    return targets if isinstance(targets, str) else list(targets)
+
+
+def lora_conflicts(requested: dict, adapter: LoraConfig) -> list[str]:
+    """The LoRA settings a user asked for that an adapter being continued does not have, as
+    "key: asked X, adapter has Y" strings (empty when they agree).
+
+    Args:
+      requested: the settings given explicitly ({"rank", "alpha", "target_modules",
+        "use_rslora"}; any subset).
+      adapter: the adapter's LoraConfig.
+    """
+    def norm(key, v):
+        if key == "target_modules":
+            if v == ALL_LINEAR:  # what all-linear resolves to in the Llama-family models
+                v = DEFAULT_TARGETS
+            return v if isinstance(v, str) else tuple(sorted(v))
+        if key in ("rank", "alpha"):
+            return float(v)
+        return bool(v)
+
+    out = []
+    for key in ("rank", "alpha", "target_modules", "use_rslora"):
+        if key in requested and requested[key] is not None:
+            mine, theirs = requested[key], getattr(adapter, key)
+            if norm(key, mine) != norm(key, theirs):
+                show = (lambda v: v if isinstance(v, str) else ",".join(v)) if key == "target_modules" \
+                    else (lambda v: v)
+                out.append(f"{key}: asked {show(mine)}, adapter has {show(theirs)}")
+    return out

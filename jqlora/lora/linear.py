@@ -160,12 +160,23 @@ class QLoRALinear(nnx.Module):
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
         if rngs is None:
             raise ValueError("a LoRA branch needs rngs (nnx.Rngs) to initialise A")
+        lora_A = peft_lora_a_init(rngs.params(), rank, self.in_features, self.param_dtype)
+        drop = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+        return self.attach_lora(rank, alpha, use_rslora=use_rslora, lora_A=lora_A, dropout=drop)
+
+    def attach_lora(self, rank: int, alpha: Optional[float], *, use_rslora: bool, lora_A, dropout=None) -> "QLoRALinear":
+        """Add a LoRA branch with the given A (r, in), or (n, r, in) for a stacked layer (see
+        `jqlora.lora.stacked`), B zeros of the matching shape, and an optional `nnx.Dropout`
+        (stacked alike)."""
+        if self.rank:
+            raise ValueError("this layer already has a LoRA branch")
         alpha = float(rank if alpha is None else alpha)
-        self.rank, self.alpha, self.use_rslora = rank, alpha, bool(use_rslora)
-        self.scale = lora_scale(rank, alpha, use_rslora)
-        self.lora_A = nnx.LoRAParam(peft_lora_a_init(rngs.params(), rank, self.in_features, self.param_dtype))
-        self.lora_B = nnx.LoRAParam(jnp.zeros((self.out_features, rank), self.param_dtype))
-        self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else nnx.data(None)
+        lead = tuple(lora_A.shape[:-2])
+        self.rank, self.alpha, self.use_rslora = int(rank), alpha, bool(use_rslora)
+        self.scale = lora_scale(self.rank, alpha, use_rslora)
+        self.lora_A = nnx.LoRAParam(jnp.asarray(lora_A, self.param_dtype))
+        self.lora_B = nnx.LoRAParam(jnp.zeros((*lead, self.out_features, self.rank), self.param_dtype))
+        self.dropout = dropout if dropout is not None else nnx.data(None)
         return self
 
     @property

@@ -7,10 +7,12 @@ helpers stay importable from :mod:`jqlora.models.llama`, :mod:`~jqlora.models.co
 from jqlora.models.cache import KVCache
 from jqlora.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError
 from jqlora.models.generate import generate
-from jqlora.models.llama import REMAT_POLICIES, CausalLM, from_params, init_params
+from jqlora.models.llama import CausalLM, from_params, init_params
 from jqlora.models.loader import load_causal_lm
+from jqlora.models.remat import REMAT_POLICIES, RematPlan, remat_plan
 
 __all__ = [
     "CausalLM", "ModelConfig", "KVCache", "load_causal_lm", "from_params", "init_params", "generate",
     "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "REMAT_POLICIES",
+    "RematPlan", "remat_plan",
 ]

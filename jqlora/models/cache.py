@@ -12,22 +12,21 @@ from jqlora.models.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """k[l], v[l]: (B, max_len, kv_heads, head_dim) per layer, in the compute dtype.
-    segment_ids: (B, max_len) int32 segment of each written slot; 0 = empty or padding (never
-    attended). index: () int32, the next slot to write; a call with T tokens writes slots
-    [index, index + T) and attends causally by slot."""
+    """k, v: (num_layers, B, max_len, kv_heads, head_dim) in the compute dtype, one array each
+    (stacked like the decoder layers, so the scan over layers writes layer l's row in place;
+    `k[l]` is layer l's cache). segment_ids: (B, max_len) int32 segment of each written slot;
+    0 = empty or padding (never attended). index: () int32, the next slot to write; a call with T
+    tokens writes slots [index, index + T) and attends causally by slot."""
 
-    k: tuple
-    v: tuple
+    k: jax.Array
+    v: jax.Array
     segment_ids: jax.Array
     index: jax.Array
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> "KVCache":
-        shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
-        zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
-        n = config.num_hidden_layers
-        return cls(k=tuple(zeros() for _ in range(n)), v=tuple(zeros() for _ in range(n)),
+        shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    segment_ids=jnp.zeros((batch, max_len), jnp.int32), index=jnp.zeros((), jnp.int32))
 
     @property

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -19,6 +20,55 @@ class UnsupportedModelError(ValueError):
 def _get(d: Mapping, key: str, default=None):
     v = d.get(key, default)
     return default if v is None else v
+
+
+_REQUIRED = object()
+
+
+def _int(d: Mapping, key: str, default=_REQUIRED, *, minimum: int = 1) -> int:
+    """`d[key]` as an int >= minimum; ValueError naming the key for a missing (when required),
+    null, non-integer or out-of-range value."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{key!r} is {'null' if key in d else 'missing'}; expected an integer >= {minimum}")
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"{key!r} is {v!r}; expected an integer >= {minimum}")
+    if v < minimum:
+        raise ValueError(f"{key!r} is {v}; expected an integer >= {minimum}")
+    return int(v)
+
+
+def _float(d: Mapping, key: str, default: float, *, positive: bool = True) -> float:
+    """`d[key]` (or `default` when absent or null) as a finite float, > 0 when `positive`."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or (positive and v <= 0):
+        raise ValueError(f"{key!r} is {v!r}; expected a finite {'positive ' if positive else ''}number")
+    return float(v)
+
+
+def _bool(d: Mapping, key: str, default: bool = False) -> bool:
+    """`d[key]` as a bool; a string such as "false" is an error, not True."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{key!r} is {v!r}; expected true or false")
+    return v
+
+
+def _token_ids(d: Mapping, key: str):
+    """bos/eos token id: None, an int >= 0, or (eos) a list of them (returned as a tuple)."""
+    v = d.get(key)
+    if v is None:
+        return None
+    items = v if isinstance(v, list) else [v]
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in items):
+        raise ValueError(f"{key!r} is {v!r}; expected a token id (an integer >= 0) or a list of them")
+    return tuple(int(t) for t in items) if isinstance(v, list) else int(v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,51 +113,69 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         """Parse a transformers config dict (config.json; v4 `rope_theta`/`rope_scaling` or v5
-        `rope_parameters`). Raises UnsupportedModelError for anything this code does not implement."""
+        `rope_parameters`).
+
+        Raises:
+          UnsupportedModelError: an architecture this code does not implement (model_type, rope
+            type, activation, partial rotary).
+          ValueError: a malformed value: a missing, null, non-integer or non-positive size, head
+            count or layer count, heads that do not divide the hidden size (without head_dim) or
+            a KV head count that does not divide them, a non-boolean flag, and so on. The message
+            names the key; `load_causal_lm` adds the file.
+        """
         if isinstance(cfg, ModelConfig):
             return cfg
         if hasattr(cfg, "to_dict"):
             cfg = cfg.to_dict()
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"the config is a {type(cfg).__name__}, expected an object of config keys")
         mt = cfg.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(mt, str) or mt not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            layers = int(cfg["num_hidden_layers"])
-            vocab = int(cfg["vocab_size"])
-            inter = int(cfg["intermediate_size"])
-        except KeyError as e:
-            raise ValueError(f"config.json lacks {e.args[0]!r} (model_type {mt})") from None
-        kv_heads = int(_get(cfg, "num_key_value_heads", heads))
+        hidden = _int(cfg, "hidden_size")
+        heads = _int(cfg, "num_attention_heads")
+        layers = _int(cfg, "num_hidden_layers")
+        vocab = _int(cfg, "vocab_size")
+        inter = _int(cfg, "intermediate_size")
+        kv_heads = _int(cfg, "num_key_value_heads", heads)
         if heads % kv_heads:
-            raise ValueError(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
-        head_dim = int(_get(cfg, "head_dim", hidden // heads))
+            raise ValueError(f"'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise ValueError(f"'hidden_size' ({hidden}) is not a multiple of 'num_attention_heads' ({heads}) "
+                             "and there is no 'head_dim'")
+        head_dim = _int(cfg, "head_dim", hidden // heads)
+        if head_dim % 2:
+            raise ValueError(f"head dimension {head_dim} ('head_dim' or hidden_size / num_attention_heads) is odd; "
+                             "rotary embeddings need an even one")
         if cfg.get("partial_rotary_factor", 1.0) not in (None, 1.0):
             raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
         act = _get(cfg, "hidden_act", "silu")
-        if act not in SUPPORTED_ACTIVATIONS:
+        if not isinstance(act, str) or act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
 
         # RoPE: transformers v5 writes rope_parameters = {rope_type, rope_theta, ...};
         # v4 wrote rope_theta at top level and rope_scaling = {rope_type|type, factor, ...} or null.
-        rp = dict(_get(cfg, "rope_parameters", {}) or {})
+        rp = _get(cfg, "rope_parameters", {})
         rs = cfg.get("rope_scaling")
-        if isinstance(rs, Mapping):
-            rp = {**dict(rs), **rp}
-        theta = float(_get(rp, "rope_theta", _get(cfg, "rope_theta", 10000.0)))
+        for key, v in (("rope_parameters", rp), ("rope_scaling", rs)):
+            if v is not None and not isinstance(v, Mapping):
+                raise ValueError(f"{key!r} is {v!r}; expected an object or null")
+        rp = {**dict(rs or {}), **dict(rp)}
+        theta = _float(rp, "rope_theta", _float(cfg, "rope_theta", 10000.0))
         rope_type = rp.get("rope_type", rp.get("type")) or "default"
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
         extra = {k: v for k, v in rp.items() if k not in ("rope_type", "type", "rope_theta")}
-        if rope_type == "linear" and "factor" not in extra:
-            raise ValueError("rope_type 'linear' needs 'factor'")
-        if rope_type == "llama3":
-            for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                if k not in extra:
-                    raise ValueError(f"rope_type 'llama3' needs {k!r} in rope parameters")
+        needs = {"default": (), "linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        for k in needs[rope_type]:
+            if k not in extra:
+                raise ValueError(f"rope_type {rope_type!r} needs {k!r} in the rope parameters")
+            _float(extra, k, 0.0)
+        if rope_type == "llama3" and extra["low_freq_factor"] == extra["high_freq_factor"]:
+            raise ValueError("rope_type 'llama3' needs 'low_freq_factor' != 'high_freq_factor'")
         rope_scaling = tuple(sorted((k, v) for k, v in extra.items()
                                     if isinstance(v, (int, float, str, bool)) or v is None))
 
@@ -115,45 +183,46 @@ class ModelConfig:
         qkv_bias = o_bias = False
         qk_norm = False
         if mt in ("llama", "qwen3"):
-            qkv_bias = o_bias = bool(_get(cfg, "attention_bias", False))
+            qkv_bias = o_bias = _bool(cfg, "attention_bias")
         if mt == "qwen2":
             qkv_bias = True
         if mt == "qwen3":
             qk_norm = True
-        mlp_bias = bool(_get(cfg, "mlp_bias", False)) if mt == "llama" else False
+        mlp_bias = _bool(cfg, "mlp_bias") if mt == "llama" else False
 
         windows = _sliding_windows(cfg, mt, layers)
-        eos = cfg.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = tuple(int(e) for e in eos)
         return cls(
             model_type=mt, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=head_dim, rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)), rope_theta=theta,
+            head_dim=head_dim, rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6), rope_theta=theta,
             rope_type=rope_type, rope_scaling=rope_scaling,
-            max_position_embeddings=int(_get(cfg, "max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=qk_norm, hidden_act=act,
-            sliding_windows=windows, bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
+            sliding_windows=windows, bos_token_id=_token_ids(cfg, "bos_token_id"),
+            eos_token_id=_token_ids(cfg, "eos_token_id"),
         )
 
 
 def _sliding_windows(cfg: Mapping, mt: str, layers: int) -> tuple:
-    window = cfg.get("sliding_window")
-    if mt == "llama" or window is None:
+    if mt == "llama" or cfg.get("sliding_window") is None:
         return (None,) * layers
+    window = _int(cfg, "sliding_window")
     if mt == "mistral":
-        return (int(window),) * layers
+        return (window,) * layers
     # qwen2 / qwen3: only with use_sliding_window; layer_types (v5) says which layers.
-    if not cfg.get("use_sliding_window", False):
+    if not _bool(cfg, "use_sliding_window"):
         return (None,) * layers
     types = cfg.get("layer_types")
     if types is None:
-        mwl = int(_get(cfg, "max_window_layers", layers))
+        mwl = _int(cfg, "max_window_layers", layers, minimum=0)
         types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
-    if len(types) != layers:
-        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
-    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if not isinstance(types, list) or len(types) != layers:
+        raise ValueError(f"'layer_types' is {types!r}; expected a list of {layers} entries (one per layer)")
+    bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    if bad:
+        raise ValueError(f"'layer_types' has {bad[0]!r}; expected 'sliding_attention' or 'full_attention'")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

@@ -1,5 +1,8 @@
-"""Autoregressive generation with a preallocated KV cache: one jitted prefill, then a jitted
-`lax.while_loop` of single-token decode steps (stops early once every row has emitted EOS)."""
+"""Autoregressive generation with a preallocated KV cache: one compiled program holds the prefill
+and a `lax.while_loop` of single-token decode steps (it stops early once every row has emitted
+EOS). The cache lives inside that program (a loop carry, updated in place), and the number of new
+tokens is a traced bound: every `max_new_tokens` up to the same multiple of `TOKEN_BUCKET` runs the
+same compiled program, so generating N tokens compiles one program whatever N is."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jqlora.models.cache import KVCache
+
+# The output buffer and KV cache are sized to max_new_tokens rounded up to this; a request for N
+# tokens compiles only when its bucket (or the prompt shape) is new.
+TOKEN_BUCKET = 64
 
 
 def sample_token(logits: jax.Array, key: Optional[jax.Array], temperature: float = 0.0, top_p: float = 1.0) -> jax.Array:
@@ -45,13 +52,18 @@ def _eos_array(eos_token_id) -> Optional[jax.Array]:
     return jnp.asarray(tuple(int(e) for e in eos_token_id), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "use_top_p", "return_logits"))
-def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p, *, max_new_tokens, greedy,
+def token_bucket(max_new_tokens: int) -> int:
+    """The compiled length for `max_new_tokens` new tokens: the next multiple of TOKEN_BUCKET."""
+    return -(-int(max_new_tokens) // TOKEN_BUCKET) * TOKEN_BUCKET
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "greedy", "use_top_p", "return_logits"))
+def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p, max_new_tokens, *, bucket, greedy,
               use_top_p, return_logits):
     def load():
         # A fresh traced copy per trace level (prefill, loop body): NNX forbids touching Variables
         # created at another trace level. eval(): no dropout; remat is pointless without backward.
-        m = nnx.merge(graphdef, state)
+        m = nnx.merge(graphdef, state, copy=True)
         m.eval()
         m.remat = False
         return m
@@ -60,7 +72,7 @@ def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p
     b, t = prompt.shape
     seg = prompt_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(seg, axis=-1) - 1, 0)
-    cache = KVCache.init(model.config, b, t + max_new_tokens, model.compute_dtype)
+    cache = KVCache.init(model.config, b, t + bucket, model.compute_dtype)
     logits, cache = model(prompt, positions=positions, segment_ids=seg, cache=cache)
     next_pos = positions[:, -1] + 1
     vocab = logits.shape[-1]
@@ -75,8 +87,8 @@ def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p
 
     first_logits = logits[:, -1].astype(jnp.float32)
     tok = pick(first_logits, 0)
-    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)
-    scores = jnp.zeros((b, max_new_tokens if return_logits else 0, vocab), jnp.float32)
+    out = jnp.zeros((b, bucket), jnp.int32).at[:, 0].set(tok)
+    scores = jnp.zeros((b, bucket if return_logits else 0, vocab), jnp.float32)
     if return_logits:
         scores = scores.at[:, 0].set(first_logits)
     done = is_eos(tok)
@@ -100,7 +112,7 @@ def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p
     carry = (jnp.int32(1), tok, next_pos, cache, done, out, scores)
     i, _, _, _, done, out, scores = jax.lax.while_loop(cond, body, carry)
     # Rows that stopped early (or all rows, when the loop ended early) are padded with EOS.
-    filled = jnp.arange(max_new_tokens)[None, :] < i
+    filled = jnp.arange(bucket)[None, :] < i
     out = jnp.where(filled, out, pad)
     return out, scores
 
@@ -136,8 +148,10 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     out, scores = _generate(
         graphdef, state, prompt, mask, None if greedy else rng,
         eos if eos is not None else jnp.full((1,), -1, jnp.int32),
-        jnp.float32(temperature), jnp.float32(top_p),
-        max_new_tokens=int(max_new_tokens), greedy=greedy, use_top_p=top_p < 1.0,
+        jnp.float32(temperature), jnp.float32(top_p), jnp.int32(max_new_tokens),
+        bucket=token_bucket(max_new_tokens), greedy=greedy, use_top_p=top_p < 1.0,
         return_logits=bool(return_logits))
+    n = int(max_new_tokens)
+    out, scores = out[:, :n], scores[:, :n]
     seqs = jnp.concatenate([prompt, out], axis=1)
     return (seqs, scores) if return_logits else seqs

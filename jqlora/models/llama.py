@@ -12,7 +12,8 @@ This file knows no files: `from_params` builds a model from a dict of arrays.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Union
+import collections
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -24,20 +25,16 @@ from jqlora import quant
 from jqlora.lora.apply import apply_lora
 from jqlora.lora.config import LoraConfig
 from jqlora.lora.linear import FrozenParam, QLoRALinear, base_shape
+from jqlora.lora.stacked import LayerStack, StackedLayers
 from jqlora.models import packed_attention
 from jqlora.models.cache import KVCache
 from jqlora.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
+from jqlora.models.remat import REMAT_POLICIES, remat_plan, resolve_remat
+
 
 _MASK_VALUE = float(np.finfo(np.float32).min)
 
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
-
-REMAT_POLICIES = {
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "everything_saveable": jax.checkpoint_policies.everything_saveable,
-}
 
 
 def _activation(name: str) -> Callable:
@@ -139,11 +136,16 @@ class Attention(nnx.Module):
         k = k * c + rotate_half(k) * s
         new_kv = None
         if kv_cache is not None:
-            ck, cv = kv_cache
-            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+            # (L, B, S, kvh, d) arrays of every layer and this layer's index: only the new tokens are
+            # written, in place (a while_loop carry), never a copy of the layer's whole slab.
+            ck, cv, layer = kv_cache
+            zero = jnp.zeros((), jnp.int32)
+            at = (layer, zero, jnp.asarray(index, jnp.int32), zero, zero)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], at)
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], at)
             new_kv = (ck, cv)
-            k, v = ck.astype(x.dtype), cv.astype(x.dtype)
+            k = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(x.dtype)
+            v = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(x.dtype)
         if impl != "einsum" and kv_cache is None:
             return self.o_proj(self._fused(q, k, v, q_slots, k_slots, q_seg, k_seg, runs, impl, plain_causal)), None
         g = h // kvh
@@ -222,26 +224,56 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
-    """The HF `model.` submodule: embed_tokens, layers, norm."""
+    """The HF `model.` submodule: embed_tokens, layers (a `DecoderLayers`), norm."""
 
     def __init__(self, config: ModelConfig, src: "_Source"):
         c = config
         self.embed_tokens = Embedding(src.tensor("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
-        self.layers = nnx.List([DecoderLayer(c, src, f"model.layers.{i}", c.sliding_windows[i])
-                                for i in range(c.num_hidden_layers)])
+        layers = [DecoderLayer(c, src, f"model.layers.{i}", c.sliding_windows[i]) for i in range(c.num_hidden_layers)]
+        self.layers = DecoderLayers(layers, donate=src.donation(layers))
         self.norm = RMSNorm(src.tensor("model.norm.weight", (c.hidden_size,)), c.rms_norm_eps)
 
 
-def _remat_policy(remat):
-    if remat is True:
-        return jax.checkpoint_policies.nothing_saveable
-    if isinstance(remat, str):
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {remat!r}; expected one of {sorted(REMAT_POLICIES)}")
-        return REMAT_POLICIES[remat]
-    if callable(remat):
-        return remat
-    raise TypeError(f"remat must be a bool, a policy name or a jax.checkpoint policy, got {remat!r}")
+class DecoderStack(LayerStack):
+    """Consecutive decoder layers of one structure, stored stacked (`jqlora.lora.stacked`); the
+    forward is one `lax.scan` over them, so the compiled program holds one layer's code whatever
+    the depth."""
+
+    def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool):
+        """-> (x, cache, each layer's output stacked (size, B, T, H) or None without `collect`).
+        cache: None or (k, v) of shape (num_layers, B, S, kvh, d); layer start + j uses row start + j."""
+        graphdef, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
+
+        def one_layer(x, rng_j, rest_j, kv):
+            layer = nnx.merge(graphdef, rng_j, rest_j)
+            x, new_kv = layer(x, *aux, kv_cache=kv, index=index, impl=impl, plain_causal=plain_causal)
+            return x, new_kv, nnx.state(layer, nnx.RngState)
+
+        if policy is not None:  # remat per layer: the scan body is the checkpointed function
+            one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
+
+        def body(carry, xs):
+            x, kv_all = carry
+            rng_j, rest_j, layer_id = xs
+            kv = None if kv_all is None else (*kv_all, layer_id)
+            x, new_kv, rng_j = one_layer(x, rng_j, rest_j, kv)
+            return (x, new_kv), (rng_j, x if collect else None)
+
+        ids = self.start + jnp.arange(self.size, dtype=jnp.int32)
+        (x, cache), (new_rng, ys) = jax.lax.scan(body, (x, cache), (rng_state, rest, ids))
+        if any(isinstance(n, nnx.Dropout) and n.rate > 0 and not n.deterministic
+               for _, n in nnx.iter_graph(self.layer)):
+            nnx.update(self.layer, new_rng)  # active dropout advanced its RNG counts, per layer
+        return x, cache, ys
+
+
+class DecoderLayers(StackedLayers):
+    """The decoder layers as `DecoderStack`s: for Llama-family checkpoints one stack of all
+    layers; layers that differ (Qwen2's sliding window on some layers, a weight format or LoRA on
+    some layers only) start a new stack, and the forward loops over the stacks in Python.
+    `layers[i]` is layer i as a write-through `DecoderLayer` view."""
+
+    stack_type = DecoderStack
 
 
 class CausalLM(nnx.Module):
@@ -258,8 +290,14 @@ class CausalLM(nnx.Module):
       each decoder layer's output, for layer-by-layer comparisons with another implementation.
     compute_dtype: the dtype of every matmul and of the activations (norms and softmax run in
       float32). It is the caller's choice, never the checkpoint's stored dtype.
-    remat: False, True (= nothing_saveable), a policy name in REMAT_POLICIES, or a
-      jax.checkpoint policy; applied per decoder layer with nnx.remat.
+    remat: False, True (= nothing_saveable), "auto", a policy name in REMAT_POLICIES, or a
+      jax.checkpoint policy; applied per decoder layer (the checkpointed function is the body of
+      the scan over layers). "auto" picks, when the forward is traced, the fastest policy whose
+      predicted peak fits the device (`remat_plan`).
+
+    The decoder layers are stored stacked (`DecoderLayers`: one `LayerStack` per run of layers of
+    one structure) and run under `lax.scan`, so compile time does not grow with depth;
+    `model.model.layers[i]` is layer i as a write-through view.
     attention: "einsum" (default; scores materialized in float32), "cudnn" (cuDNN flash attention
       through jax.nn.dot_product_attention, GPU, bf16/fp16) or "xla" (the same call's XLA
       version). Cached decoding always uses the einsum path.
@@ -274,7 +312,7 @@ class CausalLM(nnx.Module):
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.remat = remat
         if remat:
-            _remat_policy(remat)  # validate early
+            resolve_remat(remat)  # validate early
         self.backend = backend
         self.model = LlamaModel(config, src)
         if config.tie_word_embeddings:
@@ -323,7 +361,7 @@ class CausalLM(nnx.Module):
                 positions = q_slots
         cos, sin = rope_cos_sin(cfg, jnp.asarray(positions), dtype)
         x = self.model.embed_tokens(input_ids, dtype)
-        states = {"embed": x, "layers": []}
+        states = {"embed": x}
 
         impl = self.attention
         plain_causal = segment_ids is None and cache is None  # static: no mask array needed
@@ -333,28 +371,49 @@ class CausalLM(nnx.Module):
             runs = tuple(jnp.asarray(a, jnp.int32) for a in segment_runs)
         aux = (cos, sin, q_slots, k_slots, q_seg, k_seg, runs)
 
-        def run_layer(layer, x, kv, aux, index):
-            return layer(x, *aux, kv_cache=kv, index=index, impl=impl, plain_causal=plain_causal)
-
-        if self.remat:
-            run_layer = nnx.remat(run_layer, policy=_remat_policy(self.remat), prevent_cse=True)
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, new_kv = run_layer(layer, x, kv, aux, index)
-            states["layers"].append(x)
-            if cache is not None:
-                new_k.append(new_kv[0])
-                new_v.append(new_kv[1])
+        policy = self._remat_policy(b, t) if cache is None else None
+        kv = None if cache is None else (cache.k, cache.v)
+        collected = []
+        for stack in self.model.layers.stacks:
+            x, kv, ys = stack(x, aux, kv, index=index, impl=impl, plain_causal=plain_causal, policy=policy,
+                              collect=return_states)
+            if return_states:
+                collected.extend(ys[j] for j in range(stack.size))
         x = self.model.norm(x)
         if return_hidden:
             return x
         logits = self.lm_logits(x)
         if return_states:
-            return logits, {"embed": states["embed"], "layers": tuple(states["layers"]), "norm": x}
+            return logits, {"embed": states["embed"], "layers": tuple(collected), "norm": x}
         if cache is None:
             return logits
-        return logits, KVCache(k=tuple(new_k), v=tuple(new_v), segment_ids=k_seg, index=index + t)
+        return logits, KVCache(k=kv[0], v=kv[1], segment_ids=k_seg, index=index + t)
+
+    def _remat_policy(self, batch: int, seq_len: int):
+        """The jax.checkpoint policy of this forward (None: no remat); "auto" asks `remat_plan`."""
+        if not self.remat:
+            return None
+        if isinstance(self.remat, str) and self.remat == "auto":
+            plan = remat_plan(self.config, batch, seq_len, param_bytes=_state_bytes(self),
+                              compute_dtype=self.compute_dtype, attention=self.attention,
+                              lora_rank=_lora_rank(self))
+            plan.log_once()
+            return None if plan.policy is None else REMAT_POLICIES[plan.policy]
+        return resolve_remat(self.remat)
+
+
+def _state_bytes(model) -> int:
+    """Bytes of every array of the model (works on tracers: shapes and dtypes only)."""
+    return int(sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(nnx.state(model)) if hasattr(a, "dtype")
+                   and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)))
+
+
+def _lora_rank(model) -> int:
+    """The largest LoRA rank of the decoder layers (0 without LoRA)."""
+    from jqlora.lora.linear import QLoRALinear  # noqa: PLC0415
+
+    return max((n.rank for _, n in nnx.iter_graph(model.model.layers) if isinstance(n, QLoRALinear)), default=0)
 
 
 # ------------------------------------------------------------------------------------- building
@@ -366,7 +425,8 @@ class _Source:
     for a dense linear, "<module>.bias")."""
 
     def __init__(self, params: Mapping[str, Any], *, quantize=None, compute_dtype=None, backend="auto",
-                 param_dtype=None, blocksize: int = 64, double_quant: bool = True, int8_numerics="weight_only"):
+                 param_dtype=None, blocksize: int = 64, double_quant: bool = True, int8_numerics="weight_only",
+                 donate: bool = False):
         if quantize not in (None, "nf4", "fp4", "int8"):
             raise ValueError(f"quantize must be None, 'nf4', 'fp4' or 'int8', got {quantize!r}")
         self.params = params
@@ -377,7 +437,21 @@ class _Source:
         self.blocksize = blocksize
         self.double_quant = double_quant
         self.int8_numerics = int8_numerics
+        self.donate = donate
         self.used: set[str] = set()
+
+    def donation(self, layers) -> Optional[collections.Counter]:
+        """With donate=True: id(array) -> number of uses by the decoder layers, for the arrays that
+        stacking may delete after their last use; arrays the rest of the model also holds are
+        left out (never deleted)."""
+        if not self.donate:
+            return None
+        keep = {id(a) for k, v in self.params.items() if not k.startswith("model.layers.")
+                for a in jax.tree.leaves(v)}
+        uses = collections.Counter(id(a) for layer in layers for a in jax.tree.leaves(nnx.state(layer)))
+        for i in keep & set(uses):
+            uses[i] += 1 << 30
+        return uses
 
     def _cast(self, a):
         a = jnp.asarray(a)
@@ -438,7 +512,8 @@ _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], *, lora: Optional[LoraConfig] = None,
                 compute_dtype=jnp.bfloat16, quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None,
                 remat=False, backend: str = "auto", param_dtype=None, strict: bool = True,
-                int8_numerics: str = "weight_only", attention: str = "einsum") -> CausalLM:
+                int8_numerics: str = "weight_only", attention: str = "einsum",
+                donate_params: bool = False) -> CausalLM:
     """Build a `CausalLM` from an HF-keyed params dict (as `interop.load_bnb_checkpoint` returns).
 
     quantize: quantize dense linear weights at build time ("nf4", "fp4" with blocksize 64 and
@@ -449,10 +524,15 @@ def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], 
     int8_numerics: for Int8Weight layers, "weight_only" (dequantize + matmul: what bitsandbytes'
       training path computes) or "llm_int8" (bitsandbytes' inference numerics: int8 activations
       with fp16 outliers above the checkpoint's llm_int8_threshold).
+    remat: False, True, "auto" or a policy name (see `CausalLM`).
+    donate_params: the decoder layers' weights are stacked into new arrays (one per weight kind,
+      leading axis = layer); with True the arrays of `params` that only the layers use are deleted
+      once stacked, so building needs about one weight kind of extra device memory rather than a
+      second copy of the layers. Only for a dict nobody reads afterwards (`load_causal_lm`'s).
     """
     cfg = ModelConfig.from_hf(config)
     src = _Source(params, quantize=quantize, compute_dtype=compute_dtype, backend=backend, param_dtype=param_dtype,
-                  int8_numerics=int8_numerics)
+                  int8_numerics=int8_numerics, donate=donate_params)
     model = CausalLM(cfg, src, compute_dtype=compute_dtype, remat=remat, backend=backend, attention=attention)
     if strict:
         unused = [k for k in params if k not in src.used and not k.endswith(_IGNORABLE_SUFFIXES)

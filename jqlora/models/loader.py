@@ -1,33 +1,38 @@
 """`load_causal_lm`: the one place in jqlora.models that reads a checkpoint (through interop)."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
 import jax.numpy as jnp
 from flax import nnx
 
+from jqlora import parallel
 from jqlora.lora.config import LoraConfig
-from jqlora.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError
+from jqlora.models.config import ModelConfig, UnsupportedModelError
 from jqlora.models.llama import CausalLM, from_params
 
 
-def _check_model_type(path: str) -> None:
+def _check_config(path: str) -> None:
+    """Parse ``config.json`` and its architecture before any tensor is read, so that a bad
+    value fails fast with the file and the key named (not as an error deep in model building)."""
+    from interop.bnb_common import read_config  # noqa: PLC0415
+    from interop.errors import CheckpointError  # noqa: PLC0415
+
     cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        return  # interop raises its own error naming the file
-    with open(cfg_file) as f:
-        mt = json.load(f).get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"{cfg_file}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    config = read_config(path)  # CheckpointError naming the file: missing, invalid JSON, not an object
+    try:
+        ModelConfig.from_hf(config)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{cfg_file}: {e}") from None
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from None
 
 
 def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=jnp.bfloat16,
                    quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None, remat=False, *,
                    backend: str = "auto", param_dtype=None, int8_numerics: str = "weight_only",
-                   attention: str = "einsum") -> CausalLM:
+                   attention: str = "einsum", mesh=None) -> CausalLM:
     """Load a Hugging Face checkpoint folder (bitsandbytes 4-bit, bitsandbytes 8-bit, or plain
     safetensors) as a `CausalLM`.
 
@@ -59,18 +64,26 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
         keeps the stored dtype.
       int8_numerics: "weight_only" or "llm_int8" for 8-bit weights (see `QLoRALinear`).
       attention: "einsum", "xla" or "cudnn".
+      mesh: a `jax.sharding.Mesh` or spec ("data=2,fsdp=2", see `jqlora.parallel`): each tensor
+        goes onto its shards as it is read (frozen weights cut over fsdp, the rest replicated),
+        never whole onto one device. None: JAX's default device.
 
     Raises:
-      UnsupportedModelError: a model type other than llama/mistral/qwen2/qwen3.
+      UnsupportedModelError: a model type other than llama/mistral/qwen2/qwen3 (or another
+        architecture feature this code lacks); the message names config.json.
       KeyError: a tensor the architecture needs is missing (the message names it).
-      interop.CheckpointError: the files are malformed (the message names file and tensor).
+      interop.CheckpointError: the files are malformed: config.json missing, not JSON, not an
+        object or with a bad value (the message names the file and the key), or a tensor that
+        is malformed or holds NaN/Inf where it must not (the message names file and tensor).
     """
     import interop  # noqa: PLC0415  (the only jqlora.models module that touches files)
 
     path = os.fspath(path)
-    _check_model_type(path)
-    params, config = interop.load_bnb_checkpoint(path)
-    ModelConfig.from_hf(config)  # fail on the architecture before building anything
-    return from_params(params, config, lora=lora, compute_dtype=compute_dtype, quantize=quantize, rngs=rngs,
+    if os.path.isdir(path):
+        _check_config(path)  # fail on config.json before reading any tensor
+    mesh = None if mesh is None else parallel.resolve_mesh(mesh)
+    params, config = interop.load_bnb_checkpoint(path, device=None if mesh is None else parallel.placement(mesh))
+    model = from_params(params, config, lora=lora, compute_dtype=compute_dtype, quantize=quantize, rngs=rngs,
                        remat=remat, backend=backend, param_dtype=param_dtype, int8_numerics=int8_numerics,
-                       attention=attention)
+                       attention=attention, donate_params=True)  # the dict is ours: stack without a second copy
+    return parallel.place_model(model, mesh)

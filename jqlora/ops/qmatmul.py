@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jqlora import parallel
 from jqlora.ops.dispatch import Plan, choose_plan
 from jqlora.ops.products import _dot_nn, _dot_nt, _precision, acc_dtype, backward_product, forward_product
 from jqlora.quant import Int8Weight, Weight4bit
@@ -166,13 +167,14 @@ def qmatmul(
     m = x2.shape[0]
     if not quantized:
         q = jax.lax.stop_gradient(jnp.asarray(q)).astype(cd)
-    plan = choose_plan(q, m, backend, variant=variant, numerics=numerics, dtype=cd.name)
+    # under a training mesh each device multiplies its own rows by the whole weight (jqlora.parallel)
+    plan = choose_plan(q, parallel.local_rows(m), backend, variant=variant, numerics=numerics, dtype=cd.name)
     st = _Static(plan, numerics, cd.name)
     if lora is None:
-        y = _base(st, x2, q)
+        y = parallel.per_device(functools.partial(_base, st), x2, q)
     else:
         a, b, scale = _check_lora(lora, n, k)
-        y = _with_lora(st, float(scale), x2, q, a.astype(cd), b.astype(cd))
+        y = parallel.per_device(functools.partial(_with_lora, st, float(scale)), x2, q, a.astype(cd), b.astype(cd))
     return y.reshape(*lead, n)
 
 

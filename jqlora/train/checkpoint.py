@@ -18,7 +18,9 @@ Writing is atomic (:func:`interop.atomic_io.atomic_directory`): everything goes 
 directory is renamed to ``step_XXXXXXXX`` (one ``rename``), and the parent is fsynced. Until that
 rename, the previous checkpoints are untouched; a failure midway removes the temp directory. Older
 checkpoints beyond ``keep`` are pruned only after the new one is in place. One writer per
-directory is assumed (stale temp dirs are removed on the next save).
+directory is assumed (``jqlora.runs.lock_run_dir`` makes it so for a run): temp directories a
+killed writer left behind are removed by :func:`remove_stale_saves` (at the start of a run and on
+each save). An OSError while writing (a full disk, a read-only directory) names the checkpoint.
 
 Restoring validates everything (keys, shapes, dtypes, file checksum) before changing the model or
 the optimizer, and raises :class:`CheckpointError` naming the file and the offending key.
@@ -48,6 +50,8 @@ __all__ = [
     "restore_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
+    "remove_stale_saves",
+    "NonFiniteStateError",
 ]
 
 FORMAT = "jqlora-train-checkpoint"
@@ -55,6 +59,7 @@ VERSION = 1
 ARRAYS_FILE = "arrays.safetensors"
 STATE_FILE = "state.json"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
+_STALE = (".step_*.tmp-*", ".step_*.old-*", ".tmp-step_*", ".tmp-old-step_*")  # crashed saves
 _NATIVE = {np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np.int16,
                                   np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
                                   np.bool_)}
@@ -134,24 +139,68 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return cks[-1][1] if cks else None
 
 
-def save_checkpoint(directory: str | os.PathLike, model, optimizer, data_state: dict | None,
-                    step: int, *, keep: int | None = None, extra: dict | None = None) -> Path:
-    """Atomically write ``directory/step_{step:08d}``; returns its path.
-
-    ``data_state`` and ``extra`` must be JSON-serializable. ``keep``: if set, delete all but the
-    newest ``keep`` checkpoints once the new one is in place.
-    """
+def remove_stale_saves(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temp directories of checkpoint saves that never finished (a killed or failed
+    writer) from the checkpoint root ``directory``; returns what was removed. Only safe while no
+    other process writes there (hold ``jqlora.runs.lock_run_dir``)."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    for pattern in (".step_*.tmp-*", ".step_*.old-*", ".tmp-step_*", ".tmp-old-step_*"):  # crashed saves
+    removed = []
+    for pattern in _STALE:
         for stale in root.glob(pattern):
             shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"step_{int(step):08d}"
+            removed.append(stale)
+    return removed
 
+
+class NonFiniteStateError(CheckpointError):
+    """A checkpoint was not written because a LoRA param or optimizer state holds NaN/Inf."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+
+def save_checkpoint(directory: str | os.PathLike, model, optimizer, data_state: dict | None,
+                    step: int, *, keep: int | None = None, extra: dict | None = None,
+                    require_finite: bool = False) -> Path:
+    """Atomically write ``directory/step_{step:08d}``; returns its path.
+
+    Args:
+      directory: the checkpoint root (created if missing; stale temp dirs in it are removed).
+      model: the model (its ``nnx.LoRAParam`` and ``nnx.RngState`` are stored).
+      optimizer: its ``nnx.Optimizer`` (or None).
+      data_state: the data iterator's state (JSON-serializable).
+      step: the step this checkpoint ends.
+      keep: if set, delete all but the newest ``keep`` checkpoints once the new one is in place.
+      extra: more JSON-serializable state, stored under ``extra``.
+      require_finite: refuse (:class:`NonFiniteStateError`, nothing written) when a floating
+        LoRA param or optimizer state holds NaN/Inf: a checkpoint a run may resume from.
+
+    Raises:
+      NonFiniteStateError: see ``require_finite``.
+      OSError: the write failed; its ``filename`` names the checkpoint.
+    """
+    root = Path(directory)
+    final = root / f"step_{int(step):08d}"
     arrays: dict[str, np.ndarray] = {}
     metas: dict[str, dict] = {}
     for key, value in _flatten(model, optimizer).items():
         arrays[key], metas[key] = _to_storable(key, value)
+        if (require_finite and not key.startswith("rng/") and arrays[key].dtype.kind == "f"
+                and not np.isfinite(arrays[key]).all()):
+            raise NonFiniteStateError(f"{final}: not written: '{key}' holds NaN/Inf", key)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_stale_saves(root)
+        return _write(root, final, arrays, metas, data_state, step, keep, extra)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # e.g. ENOSPC from a write(): say which checkpoint
+            raise OSError(e.errno, e.strerror, str(final)) from e
+        raise
+
+
+def _write(root: Path, final: Path, arrays, metas, data_state, step, keep, extra) -> Path:
+    """The write itself (temp dir, fsync, rename), then pruning beyond ``keep``."""
     state = {
         "format": FORMAT,
         "version": VERSION,

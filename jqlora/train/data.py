@@ -1,14 +1,23 @@
 """Training data: JSONL examples -> tokens -> fixed-shape batches, with a resumable iterator.
 
-Input format, one JSON object per line:
+Input formats, one JSON object per line, each recognised by its keys (or forced with
+``format=``, ``--data-format``):
 
-* ``{"text": "..."}``: language modelling; every token after the first is a training target.
-* ``{"prompt": "...", "completion": "..."}``: supervised fine-tuning; only the completion tokens
+* ``messages``: ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}``,
+  a conversation rendered with the tokenizer's chat template (:mod:`jqlora.tokenizer`); only the
+  assistant turns (their text and end-of-turn marker) are training targets. The template writes
+  the special tokens: no BOS/EOS is added.
+* ``alpaca``: ``{"instruction": "...", "input": "...", "output": "..."}`` (``input`` optional,
+  may be empty), rendered with the Stanford Alpaca prompt (:data:`ALPACA_PROMPT`); the output and
+  the EOS after it are training targets.
+* ``text``: ``{"text": "..."}``: language modelling; every token after the first is a target.
+* ``prompt_completion``: ``{"prompt": "...", "completion": "..."}``: only the completion tokens
   (and the EOS after them) are training targets. Prompt and completion are tokenized separately
   and concatenated, so the boundary is exact.
 
 Other keys on a line are ignored. A line that is not valid JSON, is not an object, is blank, has
-neither/both forms, has a field of the wrong type, or an empty ``text``/``completion`` raises
+the keys of no format or of two, has a field of the wrong type, an empty ``text``/``completion``/
+``output``/message content, or a conversation without an assistant turn raises
 :class:`DataError` naming the file and the 1-based line number.
 
 Every example becomes a *piece* of ``(inputs, targets, mask)`` with ``inputs = ids[:-1]`` and
@@ -47,6 +56,10 @@ import numpy as np
 
 __all__ = [
     "DataError",
+    "FORMATS",
+    "ALPACA_PROMPT",
+    "check_data",
+    "check_training_data",
     "Example",
     "SpecialTokens",
     "BatchIterator",
@@ -70,19 +83,40 @@ _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|eos|>", "<|endofte
 _PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>", "<PAD>")
 
 
+# The data formats, with the keys that identify each (a line must have the keys of exactly one).
+FORMATS = {
+    "messages": ("messages",),
+    "alpaca": ("instruction", "input", "output"),
+    "text": ("text",),
+    "prompt_completion": ("prompt", "completion"),
+}
+
+# The Stanford Alpaca prompts (with and without an input); the output follows "### Response:\n".
+ALPACA_PROMPT = {
+    True: ("Below is an instruction that describes a task, paired with an input that provides "
+           "further context. Write a response that appropriately completes the request.\n\n"
+           "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"),
+    False: ("Below is an instruction that describes a task. Write a response that appropriately "
+            "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"),
+}
+
+
 class DataError(ValueError):
     """Bad training data or tokenizer; the message names the file and line where there is one."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One parsed JSONL line. ``text`` xor (``prompt``, ``completion``) is set."""
+    """One parsed JSONL line: ``text``, or ``prompt`` + ``completion`` (also what an Alpaca line
+    becomes), or ``messages``. ``format`` is the line's format (a key of :data:`FORMATS`)."""
 
     source: str
     line: int
     text: str | None = None
     prompt: str | None = None
     completion: str | None = None
+    messages: tuple[dict, ...] | None = None
+    format: str = ""
 
     @property
     def where(self) -> str:
@@ -93,40 +127,97 @@ class Example:
 # JSONL
 # ----------------------------------------------------------------------------------------------
 
-def parse_example(obj: Any, *, source: str = "<data>", line: int = 0) -> Example:
-    """Validate one decoded JSON value; raise :class:`DataError` naming ``source:line``."""
+def _detect_format(obj: dict, where: str) -> str:
+    found = [f for f, keys in FORMATS.items() if any(k in obj for k in keys)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise DataError(f"{where}: no known format: needs a 'text' field, 'prompt' and "
+                        f"'completion', 'instruction' and 'output', or 'messages' "
+                        f"(found keys: {sorted(obj)})")
+    keys = " and ".join(f"{f} ({', '.join(repr(k) for k in FORMATS[f] if k in obj)})" for f in found)
+    raise DataError(f"{where}: has the keys of {'both' if len(found) == 2 else 'several'} "
+                    f"formats, {keys}; use one format per line")
+
+
+def _string(obj: dict, field: str, where: str, fmt: str, *, required=True, nonempty=True) -> str | None:
+    if field not in obj:
+        if required:
+            need = " and ".join(repr(k) for k in FORMATS[fmt] if k != "input")
+            raise DataError(f"{where}: missing field '{field}' (the {fmt} format needs {need})")
+        return None
+    v = obj[field]
+    if not isinstance(v, str):
+        raise DataError(f"{where}: '{field}' must be a string, got {type(v).__name__}")
+    if nonempty and not v.strip():
+        raise DataError(f"{where}: '{field}' is empty")
+    return v
+
+
+def _messages(obj: dict, where: str) -> tuple[dict, ...]:
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list):
+        raise DataError(f"{where}: 'messages' must be a list, got {type(msgs).__name__}")
+    if not msgs:
+        raise DataError(f"{where}: 'messages' is empty")
+    for j, m in enumerate(msgs, start=1):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: message {j} must be an object, got {type(m).__name__}")
+        for field in ("role", "content"):
+            if field not in m:
+                raise DataError(f"{where}: message {j} has no '{field}'")
+            if not isinstance(m[field], str):
+                raise DataError(f"{where}: message {j} '{field}' must be a string, got "
+                                f"{type(m[field]).__name__}")
+        if not m["content"].strip():
+            raise DataError(f"{where}: message {j} ({m['role']}) has empty content")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise DataError(f"{where}: no assistant message (nothing to train on); roles: "
+                        f"{[m['role'] for m in msgs]}")
+    return tuple(msgs)
+
+
+def parse_example(obj: Any, *, source: str = "<data>", line: int = 0,
+                  format: str = "auto") -> Example:
+    """Validate one decoded JSON value; raise :class:`DataError` naming ``source:line``.
+
+    Args:
+      obj: the decoded line.
+      source, line: where it comes from (for messages).
+      format: "auto" (from the keys) or a key of :data:`FORMATS`.
+    """
     where = f"{source}, line {line}"
+    if format != "auto" and format not in FORMATS:
+        raise ValueError(f"data format must be 'auto' or one of {', '.join(FORMATS)}, got {format!r}")
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    has_text = "text" in obj
-    has_pc = "prompt" in obj or "completion" in obj
-    if has_text and has_pc:
-        raise DataError(f"{where}: has both 'text' and 'prompt'/'completion'; use one form")
-    if has_text:
-        text = obj["text"]
-        if not isinstance(text, str):
-            raise DataError(f"{where}: 'text' must be a string, got {type(text).__name__}")
-        if not text.strip():
-            raise DataError(f"{where}: 'text' is empty")
-        return Example(source, line, text=text)
-    if has_pc:
-        for field in ("prompt", "completion"):
-            if field not in obj:
-                raise DataError(f"{where}: missing field '{field}' (need 'prompt' and 'completion')")
-            if not isinstance(obj[field], str):
-                raise DataError(
-                    f"{where}: '{field}' must be a string, got {type(obj[field]).__name__}")
-        if not obj["completion"].strip():
-            raise DataError(f"{where}: 'completion' is empty")
-        return Example(source, line, prompt=obj["prompt"], completion=obj["completion"])
-    raise DataError(f"{where}: needs a 'text' field or 'prompt' and 'completion' fields "
-                    f"(found keys: {sorted(obj)})")
+    fmt = _detect_format(obj, where) if format == "auto" else format
+    if fmt == "messages":
+        if "messages" not in obj:
+            raise DataError(f"{where}: missing field 'messages' (data format 'messages')")
+        return Example(source, line, messages=_messages(obj, where), format=fmt)
+    if fmt == "text":
+        return Example(source, line, text=_string(obj, "text", where, fmt), format=fmt)
+    if fmt == "alpaca":
+        instruction = _string(obj, "instruction", where, fmt)
+        inp = _string(obj, "input", where, fmt, required=False, nonempty=False)
+        output = _string(obj, "output", where, fmt)
+        has_input = bool(inp and inp.strip())
+        prompt = ALPACA_PROMPT[has_input].format(instruction=instruction, input=inp)
+        return Example(source, line, prompt=prompt, completion=output, format=fmt)
+    prompt = _string(obj, "prompt", where, fmt, nonempty=False)
+    completion = _string(obj, "completion", where, fmt)
+    return Example(source, line, prompt=prompt, completion=completion, format=fmt)
 
 
-def load_jsonl(path: str | os.PathLike) -> list[Example]:
+def load_jsonl(path: str | os.PathLike, format: str = "auto") -> list[Example]:
     """Read and validate a JSONL file. Raises :class:`DataError` naming the file and line number.
 
     A final newline is fine; any other blank line is an error (it usually means a broken file).
+
+    Args:
+      path: the JSONL file.
+      format: "auto" (each line's format from its keys) or a key of :data:`FORMATS`.
     """
     path = Path(path)
     try:
@@ -151,7 +242,7 @@ def load_jsonl(path: str | os.PathLike) -> list[Example]:
             obj = json.loads(sline)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-        examples.append(parse_example(obj, source=str(path), line=i))
+        examples.append(parse_example(obj, source=str(path), line=i, format=format))
     if not examples:
         raise DataError(f"{path}: no examples (file is empty)")
     return examples
@@ -161,18 +252,22 @@ def load_jsonl(path: str | os.PathLike) -> list[Example]:
 # Tokenizer
 # ----------------------------------------------------------------------------------------------
 
-def load_tokenizer(path: str | os.PathLike):
-    """Load a ``tokenizers.Tokenizer`` from a tokenizer.json file or a directory holding one."""
-    from tokenizers import Tokenizer
+def load_tokenizer(path: str | os.PathLike, *, chat_template: str | os.PathLike | None = None):
+    """Load the tokenizer of a Hugging Face folder or a lone tokenizer.json: a
+    :class:`jqlora.tokenizer.HFTokenizer` (a ``tokenizers.Tokenizer`` with the folder's special
+    tokens and chat template).
 
-    path = Path(path)
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        raise DataError(f"{file}: tokenizer file not found")
+    Args:
+      path: tokenizer.json or a directory holding it (and tokenizer_config.json,
+        chat_template.jinja).
+      chat_template: a Jinja file that replaces the folder's chat template.
+    """
+    from jqlora.tokenizer import TokenizerError, load_hf_tokenizer
+
     try:
-        return Tokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises its own Exception type
-        raise DataError(f"{file}: cannot load tokenizer: {e}") from e
+        return load_hf_tokenizer(path, chat_template=chat_template)
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
 
 
 def _max_token_id(tokenizer) -> int:
@@ -246,10 +341,11 @@ def special_tokens(tokenizer, *, bos="auto", eos="auto", pad="auto",
     don't add it), ``True`` (like auto, but an error if missing), ``None``/``False`` (don't add), a
     token string, or an id. "The tokenizer's token" comes from a ``tokenizer_config.json`` beside
     ``tokenizer_path`` when there is one (``bos_token``/``eos_token``/``pad_token``), else from
+    the special tokens the tokenizer was loaded with (:func:`load_tokenizer`), else from
     well-known names (``<s>``, ``<|begin_of_text|>``, ``</s>``, ``<|endoftext|>``, ...).
     Padding falls back to EOS, then 0.
     """
-    config: dict = {}
+    config: dict = dict(getattr(tokenizer, "special_tokens", None) or {})
     if tokenizer_path is not None:
         p = Path(tokenizer_path)
         cfg = (p if p.is_dir() else p.parent) / "tokenizer_config.json"
@@ -276,7 +372,11 @@ def _encode(tokenizer, text: str) -> list[int]:
 def tokenize_example(tokenizer, example: Example, special: SpecialTokens
                      ) -> tuple[np.ndarray, np.ndarray]:
     """-> ``(ids int32 (n,), trained bool (n,))``; ``trained[i]`` says whether token ``i`` is a
-    training target. BOS (if any) is never a target; EOS (if any) is."""
+    training target. BOS (if any) is never a target; EOS (if any) is. A conversation gets the
+    ids of its chat template (no BOS/EOS added), its assistant tokens the targets."""
+    where = f"{example.source}, line {example.line}"
+    if example.messages is not None:
+        return _tokenize_chat(tokenizer, example.messages, where)
     bos = [special.bos_id] if special.bos_id is not None else []
     eos = [special.eos_id] if special.eos_id is not None else []
     if example.text is not None:
@@ -297,9 +397,56 @@ def tokenize_example(tokenizer, example: Example, special: SpecialTokens
     return np.asarray(ids, np.int32), np.asarray(trained, bool)
 
 
+def _tokenize_chat(tokenizer, messages, where: str) -> tuple[np.ndarray, np.ndarray]:
+    from jqlora.tokenizer import TokenizerError
+
+    if not callable(getattr(tokenizer, "chat_ids_and_mask", None)):
+        raise DataError(f"{where}: a 'messages' line needs a tokenizer with a chat template "
+                        "(load it with jqlora.train.load_tokenizer from its Hugging Face folder)")
+    try:
+        ids, trained = tokenizer.chat_ids_and_mask(messages)
+    except TokenizerError as e:
+        raise DataError(f"{where}: {e}") from None
+    if not trained.any():
+        raise DataError(f"{where}: the chat template renders no assistant tokens")
+    if len(ids) < 2:
+        raise DataError(f"{where}: conversation tokenizes to {len(ids)} token(s)")
+    return ids, trained
+
+
 def tokenize_examples(tokenizer, examples: Sequence[Example], special: SpecialTokens
                       ) -> list[tuple[np.ndarray, np.ndarray]]:
     return [tokenize_example(tokenizer, ex, special) for ex in examples]
+
+
+def check_data(data_path: str | os.PathLike, tokenizer, special: SpecialTokens, *,
+               format: str = "auto", vocab_size: int | None = None) -> dict:
+    """Read, validate and tokenize a whole JSONL file (what training does first), so that a bad
+    line is reported before a model is loaded.
+
+    Args:
+      data_path: the JSONL file.
+      tokenizer: from :func:`load_tokenizer`.
+      special: the BOS/EOS/PAD ids (:func:`special_tokens`).
+      format: "auto" or a key of :data:`FORMATS`.
+      vocab_size: when given, the tokenizer's ids must fit it.
+
+    Returns:
+      ``{"examples", "formats" ({format: count}), "tokens", "trained_tokens"}``.
+
+    Raises:
+      DataError: naming the file and line of the first bad example.
+    """
+    if vocab_size is not None:
+        check_tokenizer_fits(tokenizer, vocab_size)
+    examples = load_jsonl(data_path, format=format)
+    tokenized = tokenize_examples(tokenizer, examples, special)
+    formats: dict[str, int] = {}
+    for ex in examples:
+        formats[ex.format] = formats.get(ex.format, 0) + 1
+    return {"examples": len(examples), "formats": formats,
+            "tokens": int(sum(len(ids) for ids, _ in tokenized)),
+            "trained_tokens": int(sum(int(t.sum()) for _, t in tokenized))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,17 +603,59 @@ class BatchIterator:
             yield batch
 
 
+def _model_vocab_size(model_dir: str | os.PathLike) -> int | None:
+    cfg_file = Path(model_dir) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{cfg_file}: cannot read: {e}") from None
+    if isinstance(cfg, dict) and "vocab_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    v = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def check_training_data(config, model_dir: str | os.PathLike | None = None) -> dict:
+    """Everything :func:`jqlora.train.train` will do to its data, done first and without a model:
+    load the tokenizer, resolve BOS/EOS, read, validate and tokenize the training (and eval) file.
+    A checkpoint's weights can take minutes to load; a bad line should not wait for them.
+
+    Args:
+      config: a :class:`jqlora.train.TrainConfig` (its data_path, eval_data_path, tokenizer_path,
+        chat_template, data_format, bos and eos).
+      model_dir: the checkpoint folder; its config.json's vocab_size bounds the tokenizer's ids.
+
+    Returns:
+      ``{"train": check_data(...), "eval": check_data(...) or None}``.
+
+    Raises:
+      DataError: the first problem, naming the file (and line).
+    """
+    tok = load_tokenizer(config.tokenizer_path, chat_template=getattr(config, "chat_template", None))
+    special = special_tokens(tok, bos=config.bos, eos=config.eos, tokenizer_path=config.tokenizer_path)
+    vocab = _model_vocab_size(model_dir) if model_dir is not None else None
+    fmt = getattr(config, "data_format", "auto")
+    out = {"train": check_data(config.data_path, tok, special, format=fmt, vocab_size=vocab),
+           "eval": None}
+    if getattr(config, "eval_data_path", None):
+        out["eval"] = check_data(config.eval_data_path, tok, special, format=fmt)
+    return out
+
+
 def make_batch_iterator(data_path: str | os.PathLike, tokenizer, *, seq_len: int,
                         batch_size: int, packing: bool = True, seed: int = 0,
                         shuffle: bool = True, special: SpecialTokens | None = None,
                         vocab_size: int | None = None, overflow: str = "truncate",
-                        tokenizer_path: str | os.PathLike | None = None) -> BatchIterator:
+                        tokenizer_path: str | os.PathLike | None = None,
+                        format: str = "auto") -> BatchIterator:
     """JSONL file -> :class:`BatchIterator` (validates the tokenizer against ``vocab_size``)."""
     if vocab_size is not None:
         check_tokenizer_fits(tokenizer, vocab_size)
     if special is None:
         special = special_tokens(tokenizer, tokenizer_path=tokenizer_path)
-    examples = load_jsonl(data_path)
+    examples = load_jsonl(data_path, format=format)
     tokenized = tokenize_examples(tokenizer, examples, special)
     return BatchIterator(tokenized, seq_len=seq_len, batch_size=batch_size, packing=packing,
                          seed=seed, shuffle=shuffle, pad_id=special.pad_id, overflow=overflow)

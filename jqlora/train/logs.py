@@ -37,8 +37,13 @@ class CsvLog:
         self._w = csv.writer(self._f)
 
     def write(self, row: Sequence) -> None:
-        self._w.writerow(row)
-        self._f.flush()
+        try:
+            self._w.writerow(row)
+            self._f.flush()
+        except OSError as e:
+            if e.filename is None and e.errno is not None:  # e.g. ENOSPC from a write(): say which file
+                raise OSError(e.errno, e.strerror, str(self.path)) from e
+            raise
 
     def close(self) -> None:
         self._f.close()

@@ -4,8 +4,22 @@ batches to the compiled step (:mod:`jqlora.train.step`), logs, evaluates and che
 One training step = ``grad_accum`` micro-batches of ``batch_size`` rows, one optimizer update
 (:data:`~jqlora.train.step.train_step`). When a step reports a NaN/Inf loss, gradient norm or LoRA
 param, the step has kept the previous params and optimizer state; the host raises
-:class:`NonFiniteLossError` naming the step, and no checkpoint is written, so the last good one
-stays as it was.
+:class:`NonFiniteLossError` naming the step, and no checkpoint is written for it. A checkpoint
+written at the step just before is set aside (renamed ``rejected_step_*``) when the failing step's
+loss or gradient norm was non-finite: those came from that checkpoint's weights, so resuming from
+it would fail the same way; the error names the last checkpoint whose weights gave a finite loss.
+For that, pruning keeps at least two checkpoints until the last step.
+
+Data with no supervised token at all (e.g. every completion cut off by ``seq_len``) is an error
+before the first step; a step whose batch has none is skipped and counted
+(``TrainResult.skipped_batches``, also stored in checkpoints so that a resumed run keeps counting).
+
+Progress: a tqdm bar on a terminal; when stderr is not a terminal (nohup, SLURM) and
+``progress`` is None, plain lines (step, loss, tokens/s, elapsed) at the first and last step and
+every :data:`PROGRESS_EVERY_S` seconds.
+
+One process writes to an ``out_dir`` at a time (:func:`jqlora.runs.lock_run_dir`); under that
+lock a run removes the temp files of writes a killed process left behind.
 
 Outputs in ``out_dir``: ``loss.csv`` (step, loss, lr, tokens_per_s: one row per logged step),
 ``loss.png``, ``eval.csv`` (when evaluating) and ``checkpoints/step_XXXXXXXX``.
@@ -13,7 +27,9 @@ Outputs in ``out_dir``: ``loss.csv`` (step, loss, lr, tokens_per_s: one row per 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -25,28 +41,34 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+from .checkpoint import (STATE_FILE, NonFiniteStateError, latest_checkpoint, list_checkpoints,
+                         remove_stale_saves, restore_checkpoint, save_checkpoint)
 from .data import (BatchIterator, Example, SegmentTables, check_tokenizer_fits, load_jsonl,
                    load_tokenizer, parse_example, special_tokens, tokenize_examples)
 from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, CsvLog, write_loss_plot
 from .optim import make_optimizer, make_schedule
 from .step import evaluate, train_step
+from .. import parallel
 
 __all__ = ["TrainConfig", "TrainResult", "NonFiniteLossError", "train"]
 
 CKPT_DIR = "checkpoints"
+PROGRESS_EVERY_S = 30.0  # plain progress lines (stderr not a terminal): at most this far apart
+MAX_SKIPPED_IN_A_ROW = 1000  # consecutive batches without a supervised token before giving up
 
 
 class NonFiniteLossError(FloatingPointError):
     """The loss or gradient norm went NaN/Inf. ``step`` is the 1-based step that failed."""
 
-    def __init__(self, step: int, loss: float, grad_norm: float, checkpoint: Path | None):
+    def __init__(self, step: int, loss: float, grad_norm: float, checkpoint: Path | None,
+                 detail: str = ""):
         self.step, self.loss, self.grad_norm, self.checkpoint = step, loss, grad_norm, checkpoint
         where = (f"last good checkpoint: {checkpoint}" if checkpoint is not None
-                 else "no checkpoint was written yet")
+                 else "no good checkpoint on disk")
         super().__init__(
-            f"non-finite training state at step {step} (loss={loss}, grad_norm={grad_norm}); the "
-            f"update was not applied and no checkpoint was written for this step; {where}. "
+            f"non-finite training state at step {step} (loss={loss}, grad_norm={grad_norm}"
+            f"{'; ' + detail if detail else ''}); the update was not applied and no checkpoint "
+            f"was written for this step; {where}. "
             f"Lower the learning rate, check the data, or enable/lower grad_clip.")
 
 
@@ -80,10 +102,13 @@ class TrainConfig:
     bos: Any = "auto"            # see data.special_tokens
     eos: Any = "auto"
     overflow: str = "truncate"   # long examples: "truncate" or "split"
+    data_format: str = "auto"    # "auto" (per line, from its keys) or a data.FORMATS key
+    chat_template: str | None = None  # a Jinja file replacing the tokenizer folder's template
     shuffle: bool = True
     keep_checkpoints: int | None = 2
-    progress: bool | None = None  # tqdm bar; None: only when stderr is a TTY
+    progress: bool | None = None  # tqdm bar; None: on a TTY, else plain lines
     resume: bool = False
+    mesh: str | None = None      # "data=2,fsdp=2" (or a jax Mesh); None: every device on data
 
     def validate(self) -> None:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every"):
@@ -112,6 +137,7 @@ class TrainResult:
     csv_path: Path
     png_path: Path | None
     stopped_early: bool = False
+    skipped_batches: int = 0                   # steps' batches without a supervised token (whole run)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,11 +151,11 @@ def _model_vocab_size(model) -> int | None:
     return getattr(cfg, "vocab_size", None)
 
 
-def _as_examples(data: Sequence) -> list[Example]:
+def _as_examples(data: Sequence, format: str = "auto") -> list[Example]:
     out = []
     for i, ex in enumerate(data, start=1):
         out.append(ex if isinstance(ex, Example)
-                   else parse_example(ex, source="<data argument>", line=i))
+                   else parse_example(ex, source="<data argument>", line=i, format=format))
     return out
 
 
@@ -148,21 +174,73 @@ def _build_iterator(config: TrainConfig, data, tokenizer, model, *, eval_: bool 
     if tokenizer is None:
         if config.tokenizer_path is None:
             raise ValueError("no tokenizer: pass tokenizer=... or set TrainConfig.tokenizer_path")
-        tokenizer = load_tokenizer(config.tokenizer_path)
+        tokenizer = load_tokenizer(config.tokenizer_path, chat_template=config.chat_template)
     vocab = _model_vocab_size(model)
     if vocab is not None:
         check_tokenizer_fits(tokenizer, vocab)
     special = special_tokens(tokenizer, bos=config.bos, eos=config.eos,
                              tokenizer_path=config.tokenizer_path)
     if isinstance(data, (str, os.PathLike)):
-        examples = load_jsonl(data)
+        examples = load_jsonl(data, format=config.data_format)
     else:
-        examples = _as_examples(data)
+        examples = _as_examples(data, config.data_format)
     tokenized = tokenize_examples(tokenizer, examples, special)
+    if not eval_:
+        _check_supervised(tokenized, config, str(data) if isinstance(data, (str, os.PathLike))
+                          else "<data argument>")
     return BatchIterator(tokenized, seq_len=config.seq_len, batch_size=config.batch_size,
                          packing=config.packing, seed=config.seed,
                          shuffle=config.shuffle and not eval_, pad_id=special.pad_id,
                          overflow=config.overflow)
+
+
+def _check_supervised(tokenized, config: TrainConfig, source: str) -> None:
+    """Refuse data with no supervised token once examples are cut to ``seq_len`` (the rule of
+    :class:`BatchIterator`: a piece's targets are ``ids[1:]``, truncated to ``seq_len`` unless
+    ``overflow="split"``), and warn about the examples that have none."""
+    counts = []
+    for _ids, trained in tokenized:
+        mask = np.asarray(trained, bool)[1:]
+        if config.overflow != "split":
+            mask = mask[:config.seq_len]
+        counts.append(int(mask.sum()))
+    empty = sum(1 for c in counts if c == 0)
+    if counts and empty == len(counts):
+        raise ValueError(
+            f"{source}: nothing to train on: all {len(counts)} examples have no supervised token "
+            f"within seq_len={config.seq_len} (every completion is cut off by truncation); raise "
+            f"seq_len, shorten the prompts or use overflow='split'")
+    if empty:
+        warnings.warn(f"{source}: {empty} of {len(counts)} examples have no supervised token "
+                      f"within seq_len={config.seq_len} (their completions are cut off); they "
+                      f"add no loss", stacklevel=4)
+
+
+def _remove_stale_temp(out_dir: Path) -> None:
+    """Remove what killed writes of a run left in ``out_dir``: checkpoint temp dirs, the run
+    record's and the CSV/plot temp files, an adapter's temp dirs. Only under the run's lock."""
+    remove_stale_saves(out_dir / CKPT_DIR)
+    for pattern in (".*.tmp-*", ".*.old-*", CSV_NAME + ".tmp", EVAL_CSV_NAME + ".tmp",
+                    PNG_NAME + ".tmp.png"):
+        for stale in out_dir.glob(pattern):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
+def _stored_skips(checkpoint: Path) -> int:
+    """The skipped-batch count stored in a checkpoint (0 for one written without it)."""
+    try:
+        extra = json.loads((checkpoint / STATE_FILE).read_text()).get("extra") or {}
+        return int(extra.get("skipped_batches", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def _fmt_elapsed(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def _apply_remat(model, remat) -> None:
@@ -209,7 +287,8 @@ def _stack(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=None,
           on_step: Callable[[int, dict], Any] | None = None,
-          resume: bool | None = None) -> TrainResult:
+          resume: bool | None = None, on_ready: Callable[[], Any] | None = None,
+          lock: bool = True) -> TrainResult:
     """Train the model's ``nnx.LoRAParam`` variables in place; everything else stays frozen.
 
     Steps overlap with the host: without ``on_step``, step N's metrics are read (and logged) after
@@ -236,6 +315,11 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
       resume: (default ``config.resume``) continue from the newest checkpoint in
         ``out_dir/checkpoints`` (fresh start if there is none). Without it, an ``out_dir`` that
         already holds checkpoints is refused rather than overwritten.
+      on_ready: ``on_ready()`` runs once every check has passed (data loaded, checkpoint
+        restored), before anything in ``out_dir`` changes: ``jqlora train`` writes its run
+        record there, so that a refused or failed run leaves the record on disk untouched.
+      lock: hold ``out_dir``'s writer lock (:func:`jqlora.runs.lock_run_dir`) while training;
+        False when the caller already holds it.
 
     Returns:
       A :class:`TrainResult` with the steps run, their metrics and the newest checkpoint.
@@ -244,12 +328,23 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
       NonFiniteLossError: a step's loss, gradient norm or new LoRA params were NaN/Inf (the last
         good checkpoint is kept).
       FileExistsError: ``out_dir`` already holds checkpoints and ``resume`` is off.
-      ValueError: no LoRA params, no data or tokenizer, or ``eval_every`` without eval data.
+      ValueError: no LoRA params, no data or tokenizer, no supervised token in the data, or
+        ``eval_every`` without eval data.
+      jqlora.runs.RunLockedError: another process holds ``out_dir``'s lock.
     """
     config.validate()
+    if not lock:
+        return _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
+    from jqlora.runs import lock_run_dir
+
+    with lock_run_dir(config.out_dir):
+        return _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
+
+
+def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready) -> TrainResult:
+    """:func:`train` once ``out_dir`` is locked."""
     resume = config.resume if resume is None else resume
     out_dir = Path(config.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out_dir / CKPT_DIR
 
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
@@ -268,6 +363,7 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
 
     start, resumed_from, last_ckpt = 0, None, latest_checkpoint(ckpt_dir)
+    skipped_before = 0
     if last_ckpt is not None:
         if not resume:
             raise FileExistsError(
@@ -277,14 +373,24 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
         if data_state is not None:
             it.load_state_dict(data_state)
         resumed_from = start
+        skipped_before = _stored_skips(last_ckpt)
+
+    if on_ready is not None:
+        on_ready()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp(out_dir)
 
     _apply_remat(model, config.remat)
-    _commit(model)
-    _commit(optimizer)
+    mesh = parallel.resolve_mesh(config.mesh, config.batch_size)  # None: one device, the plain path
+    if mesh is None:
+        _commit(model)
+        _commit(optimizer)
+    else:  # frozen weights cut over fsdp, the rest replicated (jqlora.parallel)
+        parallel.place_state(model, optimizer, mesh)
     model.train()
     # bound once: the per-step split/update of the whole model graph is host time the device
     # would wait for whenever the host has nothing queued (at checkpoints, evals, with on_step)
-    step_fn = train_step.bind(model, optimizer)
+    step_fn = parallel.with_mesh(mesh, train_step.bind(model, optimizer))
 
     log = CsvLog(out_dir / CSV_NAME, ["step", "loss", "lr", "tokens_per_s"],
                   keep_upto=start if resumed_from is not None else None)
@@ -294,17 +400,32 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
     result = TrainResult(step=start, steps=[], losses=[], lrs=[], grad_norms=[],
                          tokens_per_s=[], eval_losses=[], checkpoint=last_ckpt,
                          resumed_from=resumed_from, out_dir=out_dir, csv_path=out_dir / CSV_NAME,
-                         png_path=None)
-    show = config.progress if config.progress is not None else sys.stderr.isatty()
+                         png_path=None, skipped_batches=skipped_before)
+    tty = sys.stderr.isatty()
+    show = config.progress if config.progress is not None else tty
+    plain = config.progress is None and not tty  # a log file: periodic plain lines, no bar
     from tqdm import tqdm
     bar = tqdm(total=config.steps, initial=start, disable=not show, desc="train",
                dynamic_ncols=True, file=sys.stderr)
 
     segment_tables = SegmentTables()
 
+    skipped = skipped_before  # batches skipped up to the newest batch drawn
+
     def next_batch():
-        """(batch, number of real tokens in it)."""
-        batch = _stack([next(it) for _ in range(config.grad_accum)])
+        """(batch, number of real tokens in it, batches skipped so far); batches without a
+        supervised token are skipped and counted."""
+        nonlocal skipped
+        in_a_row = 0
+        while True:
+            batch = _stack([next(it) for _ in range(config.grad_accum)])
+            if np.sum(batch["loss_mask"]) != 0:  # NaN counts as not empty: the guard reports it
+                break
+            skipped += 1
+            in_a_row += 1
+            if in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                raise ValueError(f"{in_a_row} batches in a row have no supervised token "
+                                 "(loss_mask all zero): check the data")
         ntok = int(np.count_nonzero(batch["segment_ids"]))
         if not config.packing:
             # One example per row from position 0, padding after it: under plain causal
@@ -313,12 +434,37 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
             del batch["segment_ids"]
         elif getattr(model, "attention", None) == "cudnn":
             segment_tables.add(batch)
-        return batch, ntok
+        return (batch if mesh is None else parallel.shard_batch(batch, mesh)), ntok, skipped
 
-    def save(step, data_state):
-        result.checkpoint = save_checkpoint(ckpt_dir, model, optimizer, data_state, step,
-                                            keep=config.keep_checkpoints,
-                                            extra={"train_config": dataclasses.asdict(config)})
+    def save(step, data_state, m):
+        # until the last step keep >= 2: the newest checkpoint's weights have not been through a
+        # step yet, and the one before is what a non-finite next step falls back to
+        keep = config.keep_checkpoints
+        if keep and step < config.steps:
+            keep = max(keep, 2)
+        try:
+            result.checkpoint = save_checkpoint(
+                ckpt_dir, model, optimizer, data_state, step, keep=keep, require_finite=True,
+                extra={"train_config": dataclasses.asdict(config),
+                       "skipped_batches": result.skipped_batches})
+        except NonFiniteStateError as e:
+            raise NonFiniteLossError(step, m["loss"], m["grad_norm"], result.checkpoint,
+                                     detail=f"'{e.key}' holds NaN/Inf") from None
+
+    def non_finite(step, m) -> NonFiniteLossError:
+        """The error for a non-finite ``step``. Its loss and gradient norm came from the weights
+        of a checkpoint written at ``step - 1``, if any: when they are non-finite, that checkpoint
+        is set aside (renamed ``rejected_step_*``) so that resuming does not start from it."""
+        prev = ckpt_dir / f"step_{step - 1:08d}"
+        if np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) or not (prev / STATE_FILE).is_file():
+            return NonFiniteLossError(step, m["loss"], m["grad_norm"], result.checkpoint)
+        aside = ckpt_dir / f"rejected_{prev.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(prev, aside)
+        warnings.warn(f"{prev} gave a non-finite loss at step {step}: moved to {aside}",
+                      stacklevel=4)
+        return NonFiniteLossError(step, m["loss"], m["grad_norm"], latest_checkpoint(ckpt_dir),
+                                  detail=f"the weights of {prev.name} gave it: moved to {aside.name}")
 
     def saves_at(step) -> bool:
         return bool(config.save_every and step % config.save_every == 0) or step == config.steps
@@ -334,21 +480,25 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
 
     t_prev = window_t0 = 0.0
     window_tokens = 0
+    t_start = line_t0 = time.perf_counter()
+    line_tokens = 0
 
-    def finish(step, metrics, ntok_in, step_state) -> bool:
+    def finish(step, metrics, ntok_in, step_state, skipped_upto) -> bool:
         """Read a dispatched step's metrics, then log, evaluate, checkpoint and call on_step.
         False: on_step asked to stop."""
-        nonlocal t_prev, window_tokens, window_t0
+        nonlocal t_prev, window_tokens, window_t0, line_t0, line_tokens
         m = {k: v.item() for k, v in jax.device_get(metrics).items()}
         m["lr"] = float(schedule(step - 1))
         now = time.perf_counter()
         if not m["ok"]:
-            raise NonFiniteLossError(step, m["loss"], m["grad_norm"], result.checkpoint)
+            raise non_finite(step, m)
         tps = ntok_in / max(now - t_prev, 1e-9)
         t_prev = now
         window_tokens += ntok_in
+        line_tokens += ntok_in
         m.update(tokens=ntok_in, tokens_per_s=tps)
         result.step = step
+        result.skipped_batches = skipped_upto
         result.steps.append(step)
         result.losses.append(m["loss"])
         result.lrs.append(m["lr"])
@@ -359,21 +509,27 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
                        f"{window_tokens / max(now - window_t0, 1e-9):.2f}"])
             window_tokens, window_t0 = 0, now
         if evaluates_at(step):
-            ev = evaluate(model, eval_it.eval_batches(), max_batches=config.eval_max_batches)
+            ev = parallel.with_mesh(mesh, evaluate)(model, eval_it.eval_batches(), max_batches=config.eval_max_batches)
             result.eval_losses.append((step, ev))
             eval_log.write([step, repr(ev)])
             m["eval_loss"] = ev
             t_prev = window_t0 = time.perf_counter()  # don't count eval in tokens/s
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tps:,.0f}", lr=f"{m['lr']:.2e}")
+        if plain and (step == start + 1 or step == config.steps
+                      or now - line_t0 >= PROGRESS_EVERY_S):
+            print(f"train: step {step}/{config.steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
+                  f"tokens/s {line_tokens / max(now - line_t0, 1e-9):,.0f}  "
+                  f"elapsed {_fmt_elapsed(now - t_start)}", file=sys.stderr, flush=True)
+            line_t0, line_tokens = now, 0
         saved = False
         if saves_at(step):
-            save(step, step_state)
+            save(step, step_state, m)
             saved = True
             t_prev = time.perf_counter()  # don't count checkpointing in the next step's rate
         if on_step is not None and on_step(step, m) is False:
             if not saved:
-                save(step, step_state)
+                save(step, step_state, m)
             result.stopped_early = step < config.steps
             return False
         return True
@@ -381,17 +537,17 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
     try:
         if start >= config.steps:
             return result
-        batch, ntok_next = next_batch()
+        batch, ntok_next, skipped_next = next_batch()
         batch_state = it.state_dict()  # the data position once this batch is consumed
-        t_prev = window_t0 = time.perf_counter()
+        t_prev = window_t0 = line_t0 = time.perf_counter()
         # One step in flight: between checkpoints and evals the host reads step N's metrics only
         # after dispatching step N + 1, so the host's own per-step time (dispatch, metrics,
         # logging) overlaps the device's work instead of adding to it.
         pending = None
         for step in range(start + 1, config.steps + 1):
-            dispatched = (step, step_fn(batch), ntok_next, batch_state)  # async dispatch
+            dispatched = (step, step_fn(batch), ntok_next, batch_state, skipped_next)  # async
             if step < config.steps:  # prepare the next batch while the device works
-                batch, ntok_next = next_batch()
+                batch, ntok_next, skipped_next = next_batch()
                 batch_state = it.state_dict()
             if pending is not None:
                 finish(*pending)  # a pending step is never one where on_step could stop the run

@@ -1,0 +1,203 @@
+"""Rematerialization policies for the decoder layers, and `remat_plan`: which policy fits.
+
+`remat="auto"` asks `remat_plan` for the fastest policy whose predicted peak memory fits the
+device: no remat (nothing recomputed), then `dots_with_no_batch_dims_saveable` (the matmul
+outputs kept, the elementwise work recomputed), then `nothing_saveable` (each layer's input kept,
+the whole layer recomputed in the backward pass). No policy keeps a dense dequantized weight:
+`jqlora.ops.qmatmul` saves the packed weight and dequantizes again (docs/design.md, invariant 2).
+
+The prediction is analytic, per token and per layer, in units of the model's widths, plus the
+weights, the LoRA optimizer state and one loss chunk. Its constants are fitted to the 8B step
+measured on an H200 (`activation_bytes_per_token`; tests/test_scan.py checks the fit). On CPU,
+against `train_step.lower(...).compile().memory_analysis()` of a 4-layer float32 model (hidden
+256, einsum attention), it predicts 0.66-0.69 of the measured growth of temporary memory per
+token for all three policies: CPU XLA keeps more float32 intermediates; the order of the
+policies is the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jqlora.models.config import ModelConfig
+
+_log = logging.getLogger("jqlora.models")
+
+REMAT_POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+
+# The candidates of "auto", fastest first. None = no remat.
+AUTO_ORDER = (None, "dots_with_no_batch_dims_saveable", "nothing_saveable")
+
+# Of the device's memory, what a plan may use: XLA's temporaries, fragmentation and the compile
+# step's own scratch need the rest.
+HEADROOM = 0.90
+
+
+def resolve_remat(remat) -> Optional[Callable]:
+    """The jax.checkpoint policy for a `remat` setting (None for False); "auto" is resolved by
+    the model, which knows the shapes (`remat_plan`)."""
+    if remat is False or remat is None:
+        return None
+    if remat is True:
+        return jax.checkpoint_policies.nothing_saveable
+    if isinstance(remat, str):
+        if remat == "auto":
+            return None
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {remat!r}; expected 'auto' or one of {sorted(REMAT_POLICIES)}")
+        return REMAT_POLICIES[remat]
+    if callable(remat):
+        return remat
+    raise TypeError(f"remat must be a bool, 'auto', a policy name or a jax.checkpoint policy, got {remat!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPlan:
+    """What `remat_plan` chose and why.
+
+    policy: the chosen policy name, or None for no remat.
+    predicted: {policy name or "none": predicted peak bytes of the train step}.
+    device_bytes: the memory the plan had to fit (None: unknown, e.g. CPU).
+    reason: one line for the log."""
+
+    policy: Optional[str]
+    predicted: dict
+    device_bytes: Optional[int]
+    reason: str
+
+    def log_once(self) -> None:
+        _log_plan(self.reason)
+
+
+@functools.lru_cache(maxsize=32)  # one line per distinct plan, not one per trace
+def _log_plan(line: str) -> None:
+    _log.info(line)
+
+
+def _gib(n) -> str:
+    return f"{n / 2 ** 30:.1f} GiB"
+
+
+def activation_bytes_per_token(config: ModelConfig, policy: Optional[str], *, compute_dtype=jnp.bfloat16,
+                               attention: str = "cudnn", seq_len: int = 2048, lora_rank: int = 16) -> dict:
+    """Predicted activation bytes per token of the train step: {"kept": what the forward keeps for
+    the backward over all layers, "transient": one layer's recomputation/backward working set}.
+
+    Per layer and token, with s the compute dtype's size: without remat the backward keeps the
+    norms' inputs and outputs (4 H s), q/k/v and the attention output ((2 Q + 2 KV) s), the MLP's
+    gate, up, activation and product (4 I s) and the LoRA x A^T (7 r, float32); the einsum
+    attention also keeps its (T, heads) float32 scores and probabilities, cuDNN only its
+    logsumexp. dots_with_no_batch_dims_saveable keeps the matmul outputs as the matmuls produce
+    them, in float32 ((Q + 2 KV + 2 H + 2 I) x 4), and the quantized products' inputs
+    ((2 H + Q + I) s), not the attention scores (their einsums have batch dimensions). At the
+    8B shape that is more than no remat keeps, so "auto" picks it only where the einsum
+    attention's scores make no remat the larger one. nothing_saveable keeps each layer's input (H s) and rebuilds one layer at a
+    time, with float32 gradients of the residual stream (4 H x 4) on top.
+
+    Against the 8B step measured on an H200 (batch 1, cuDNN attention, bf16; issue 31): no remat
+    predicted 16.4 GiB / measured 16.4 at 2,048 tokens; the matmul outputs 20.0 / 20.8;
+    nothing_saveable 7.1 / 7.09 at 2,048, 13.7 / 13.3 at 16,384, 36.4 / 35.6 at 65,536."""
+    c = config
+    s = jnp.dtype(compute_dtype).itemsize
+    h, i, q, kv, nh = c.hidden_size, c.intermediate_size, c.q_features, c.kv_features, c.num_attention_heads
+    lora = 7 * lora_rank * 4
+    attn = nh * seq_len * (4 + s) if attention == "einsum" else nh * 4  # scores+probs, or the logsumexp
+    full = (4 * h + 2 * q + 2 * kv + 4 * i) * s + lora + attn
+    # the attention einsums have batch dimensions: this policy recomputes their scores
+    dots = (q + 2 * kv + 2 * h + 2 * i) * 4 + (2 * h + q + i) * s + lora + (0 if attention == "einsum" else attn)
+    n = c.num_hidden_layers
+    if policy is None:
+        return {"kept": n * full, "transient": 0}
+    if policy == "dots_with_no_batch_dims_saveable":
+        return {"kept": n * dots, "transient": max(full - dots, 0) + 4 * h * 4}
+    if policy == "nothing_saveable":
+        return {"kept": n * h * s, "transient": full + 4 * h * 4}
+    raise ValueError(f"no memory model for policy {policy!r}; expected one of {AUTO_ORDER}")
+
+
+def _default_param_bytes(config: ModelConfig, compute_dtype) -> int:
+    """Weights of an NF4 (double-quant) checkpoint: 4.127 bits per linear weight; embeddings, the
+    LM head and the norms in the compute dtype."""
+    c = config
+    s = jnp.dtype(compute_dtype).itemsize
+    per_layer = c.hidden_size * (c.q_features + 2 * c.kv_features) + c.q_features * c.hidden_size \
+        + 3 * c.hidden_size * c.intermediate_size
+    emb = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return int(c.num_hidden_layers * per_layer * 4.127 / 8 + emb * s)
+
+
+def _lora_train_bytes(config: ModelConfig, lora_rank: int) -> int:
+    """LoRA gradients (summed in float32) and AdamW's two moments: 3 x the float32 LoRA params,
+    LoRA on all seven projections (the params themselves are in param_bytes)."""
+    c = config
+    per_layer = lora_rank * (3 * c.hidden_size + c.q_features + 2 * c.kv_features + c.q_features
+                             + 3 * (c.hidden_size + c.intermediate_size))
+    return 3 * 4 * c.num_hidden_layers * per_layer
+
+
+def device_memory() -> Optional[int]:
+    """The first device's memory limit in bytes (`memory_stats()["bytes_limit"]`), or None where
+    the platform does not report one (CPU)."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001  (a backend without memory stats)
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] = None,
+               param_bytes: Optional[int] = None, compute_dtype=jnp.bfloat16, attention: str = "cudnn",
+               lora_rank: int = 16, loss_chunk: int = 256) -> RematPlan:
+    """The fastest remat policy whose predicted train-step peak fits the device.
+
+    Args:
+      config: a `ModelConfig` or an HF config dict.
+      batch, seq_len: the micro-batch shape of the train step.
+      device_bytes: the memory to fit; default: the first device's `bytes_limit`. Where none is
+        known (CPU) the plan is no remat.
+      param_bytes: bytes of the model's arrays (weights and LoRA params); default: an NF4
+        double-quant checkpoint of this config.
+      compute_dtype, attention, lora_rank: as the model runs (they change the activations).
+      loss_chunk: tokens per chunk of the chunked LM head + loss.
+
+    Returns:
+      A `RematPlan`: the policy (None = no remat), the predicted peak of each candidate, the
+      device memory and a one-line reason ("remat: dots_with_no_batch_dims_saveable (predicted
+      16.4 GiB of 79.1 GiB)").
+    """
+    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    if device_bytes is None:
+        device_bytes = device_memory()
+    if param_bytes is None:
+        param_bytes = _default_param_bytes(cfg, compute_dtype)
+    tokens = int(batch) * int(seq_len)
+    fixed = int(param_bytes) + _lora_train_bytes(cfg, lora_rank) \
+        + 3 * 4 * int(batch) * min(loss_chunk, seq_len) * cfg.vocab_size  # one chunk's logits, softmax, grad
+    predicted = {}
+    for policy in AUTO_ORDER:
+        a = activation_bytes_per_token(cfg, policy, compute_dtype=compute_dtype, attention=attention,
+                                       seq_len=seq_len, lora_rank=lora_rank)
+        predicted[policy or "none"] = fixed + tokens * (a["kept"] + a["transient"])
+    if device_bytes is None:
+        return RematPlan(None, predicted, None, f"remat: none (device memory unknown; predicted "
+                                                f"{_gib(predicted['none'])})")
+    budget = HEADROOM * device_bytes
+    for policy in AUTO_ORDER:
+        need = predicted[policy or "none"]
+        if need <= budget:
+            return RematPlan(policy, predicted, device_bytes,
+                             f"remat: {policy or 'none'} (predicted {_gib(need)} of {_gib(device_bytes)})")
+    last = AUTO_ORDER[-1]
+    return RematPlan(last, predicted, device_bytes,
+                     f"remat: {last} (predicted {_gib(predicted[last])} of {_gib(device_bytes)}: "
+                     "may not fit; lower the batch or sequence length)")
