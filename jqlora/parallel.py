@@ -383,22 +383,20 @@ def per_device(fn: Callable, x, *whole):
     """``fn(x, *whole)`` with x's rows split over the active mesh and ``whole`` gathered.
 
     Runs ``fn`` under ``jax.shard_map``: x (rows, K) arrives as this device's rows, every array of
-    ``whole`` (the weight pytree, LoRA matrices) whole, marked device-varying so that a
-    ``custom_vjp`` inside may return per-device cotangents; the transpose then sums them over the
-    mesh. Without an active mesh (see :func:`product_mesh`) it is ``fn(x, *whole)``.
+    ``whole`` (the weight pytree, LoRA matrices) whole; the transpose sums the per-device
+    cotangents of ``whole`` over the mesh. Without an active mesh (see :func:`product_mesh`) it is
+    ``fn(x, *whole)``.
     """
     am = product_mesh(x.shape[0])
     if am is None:
         return fn(x, *whole)
 
-    def local(x_, *whole_):
-        cast = getattr(jax.lax, "pcast", None)
-        whole_ = (cast(whole_, ROWS, to="varying") if cast is not None
-                  else jax.lax.pvary(whole_, ROWS))
-        return fn(x_, *whole_)
-
     rows = P(ROWS, *([None] * (x.ndim - 1)))
-    return jax.shard_map(local, mesh=am, in_specs=(rows,) + (P(),) * len(whole), out_specs=rows)(x, *whole)
+    # check_vma=False: Pallas kernels declare their outputs without a varying-axes type, which
+    # check_vma=True rejects; the transpose still sums the cotangents of the replicated inputs
+    # over the mesh (tests/test_mesh.py compares LoRA weights with a one-device run).
+    return jax.shard_map(fn, mesh=am, in_specs=(rows,) + (P(),) * len(whole), out_specs=rows,
+                         check_vma=False)(x, *whole)
 
 
 def local_rows(rows: int) -> int:

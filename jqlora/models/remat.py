@@ -41,6 +41,11 @@ AUTO_ORDER = (None, "dots_with_no_batch_dims_saveable", "nothing_saveable")
 # Of the device's memory, what a plan may use: XLA's temporaries, fragmentation and the compile
 # step's own scratch need the rest.
 HEADROOM = 0.90
+# What the scanned train step really keeps without remat, over the count above (float32 norm and
+# rope intermediates the count leaves out): 1.43 at 8B x 2,048 and 1.52 at 8B x 16,384 tokens on
+# an H200 (benchmarks/results/JOURNAL.md, 2026-11-26). Applied to the two policies that keep
+# activations, so "auto" errs towards remat rather than out of memory.
+KEPT_MEASURED_OVER_COUNTED = 1.5
 
 
 def resolve_remat(remat) -> Optional[Callable]:
@@ -117,9 +122,9 @@ def activation_bytes_per_token(config: ModelConfig, policy: Optional[str], *, co
     dots = (q + 2 * kv + 2 * h + 2 * i) * 4 + (2 * h + q + i) * s + lora + (0 if attention == "einsum" else attn)
     n = c.num_hidden_layers
     if policy is None:
-        return {"kept": n * full, "transient": 0}
+        return {"kept": int(n * full * KEPT_MEASURED_OVER_COUNTED), "transient": 0}
     if policy == "dots_with_no_batch_dims_saveable":
-        return {"kept": n * dots, "transient": max(full - dots, 0) + 4 * h * 4}
+        return {"kept": int(n * dots * KEPT_MEASURED_OVER_COUNTED), "transient": max(full - dots, 0) + 4 * h * 4}
     if policy == "nothing_saveable":
         return {"kept": n * h * s, "transient": full + 4 * h * 4}
     raise ValueError(f"no memory model for policy {policy!r}; expected one of {AUTO_ORDER}")
