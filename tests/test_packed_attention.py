@@ -132,3 +132,52 @@ def test_packed_tables_give_the_mask_paths_loss_and_gradients(emulated_cudnn):
     narrow = dict(batch)
     narrow["segment_lengths"], narrow["segment_offsets"] = pa.segment_runs(seg, 2)  # row 0 has 3
     assert np.isnan(sums_and_grads(cudnn, narrow)[0])
+
+
+def _garbage_outside_runs(q, k, v, lengths, offsets, scale):
+    """cuDNN's packed call as it behaves on a GPU: outputs AND dq/dk/dv of tokens outside every
+    run are never written, so they hold whatever memory held (NaN here)."""
+    t = q.shape[1]
+    p = jnp.arange(t)[None, :]
+    start, n = offsets[:, None, :-1], lengths[:, None, :]
+    inside = ((n > 0) & (p[:, :, None] >= start) & (p[:, :, None] < start + n)).any(-1)
+    dirty = lambda a: jnp.where(inside[:, :, None, None], a, jnp.asarray(jnp.nan, a.dtype))  # noqa: E731
+
+    @jax.custom_vjp
+    def call(q, k, v):
+        return dirty(pa.emulate_cudnn_packed(q, k, v, lengths, offsets, scale))
+
+    def fwd(q, k, v):
+        out, vjp = jax.vjp(lambda *a: pa.emulate_cudnn_packed(*a, lengths, offsets, scale), q, k, v)
+        return dirty(out), vjp
+
+    def bwd(vjp, g):
+        return tuple(dirty(d) for d in vjp(g))
+
+    call.defvjp(fwd, bwd)
+    return call(q, k, v)
+
+
+def test_padding_tokens_never_reach_the_gradients(monkeypatch):
+    """A packed row with padding: cuDNN leaves the outputs and the gradients of padding tokens
+    unwritten (garbage, NaN here); the attention's outputs and q/k/v gradients must stay finite
+    and equal the clean emulation's."""
+    monkeypatch.setattr(pa, "available", lambda: True)
+    seg = np.array([[1, 1, 1, 2, 2, 0, 0, 0], [3, 3, 3, 3, 4, 4, 4, 0]], np.int32)
+    runs = tuple(jnp.asarray(a) for a in pa.segment_runs(seg, 4))
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (2, 8, 4, 8))
+    k = jax.random.normal(kk, (2, 8, 2, 8))
+    v = jax.random.normal(kv, (2, 8, 2, 8))
+    w = jax.random.normal(jax.random.key(1), (2, 8, 4, 8))
+
+    def loss(q, k, v):
+        return jnp.sum(pa.packed_causal_attention(q, k, v, jnp.asarray(seg), runs, scale=0.3) * w)
+
+    monkeypatch.setattr(pa, "_cudnn_packed", pa.emulate_cudnn_packed)
+    want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    monkeypatch.setattr(pa, "_cudnn_packed", _garbage_outside_runs)
+    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(got, want):
+        assert bool(jnp.all(jnp.isfinite(g)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)

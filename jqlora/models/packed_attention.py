@@ -101,8 +101,13 @@ def packed_causal_attention(q, k, v, segment_ids, runs, *, scale: float):
     of a row whose runs do not all fit in M (or do not match segment_ids) is NaN, so a too-narrow
     table stops training (the loop's non-finite check) instead of training on wrong attention."""
     lengths, offsets = runs
-    out = _cudnn_packed(q, k, v, lengths, offsets, scale)
     real = segment_ids != 0
+    # cuDNN writes neither the outputs nor the dq/dk/dv of tokens outside every segment: whatever
+    # memory held lands there, NaN included. Selecting q, k, v at the real tokens makes the
+    # backward of this select drop those gradient rows (a select, not a product, so NaN too).
+    keep = real[:, :, None, None]
+    q, k, v = (jnp.where(keep, a, jnp.zeros((), a.dtype)) for a in (q, k, v))
+    out = _cudnn_packed(q, k, v, lengths, offsets, scale)
     covered = jnp.sum(jnp.maximum(lengths, 0), axis=1) == jnp.sum(real, axis=1)
     out = jnp.where(real[:, :, None, None], out, jnp.zeros((), out.dtype))
     return jnp.where(covered[:, None, None, None], out, jnp.asarray(jnp.nan, out.dtype))
