@@ -279,6 +279,10 @@ def _versions() -> dict:
 
 
 def _commit() -> str | None:
+    """The measured commit: $JQLORA_COMMIT where set (a copy of the tree whose .git is not the
+    source's, as on the GPU machine), else git's HEAD here (+dirty)."""
+    if os.environ.get("JQLORA_COMMIT"):
+        return os.environ["JQLORA_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
