@@ -237,7 +237,8 @@ def test_smollm2_chat_template_and_demo_data(smollm2_dir):
 
     from jqlora import train as T
     from jqlora.demo.smollm2 import TRAIN_CAPITALS, answer, chat_rows
-    from jqlora.train import data as D
+    from jqlora.train import examples as E
+    from jqlora.train import tokenization as TK
 
     ours, theirs = load_hf_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(smollm2_dir)
     for conv in CONVERSATIONS:
@@ -247,5 +248,5 @@ def test_smollm2_chat_template_and_demo_data(smollm2_dir):
     rows = chat_rows(TRAIN_CAPITALS[:3])
     sp = T.special_tokens(ours)
     for row, (c, cap) in zip(rows[::3], TRAIN_CAPITALS[:3]):
-        ids, trained = D.tokenize_example(ours, D.parse_example(row), sp)
+        ids, trained = TK.tokenize_example(ours, E.parse_example(row), sp)
         assert ours.decode([int(i) for i in ids[trained]], skip_special_tokens=False) == answer(c, cap) + "<|im_end|>\n"

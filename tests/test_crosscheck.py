@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 import bitsandbytes.functional as F  # noqa: E402
 
 import checkpoint_factory as cf  # noqa: E402
-from jqlora.crosscheck import crosscheck, decode_4bit  # noqa: E402
+from jqlora.crosscheck import crosscheck  # noqa: E402
+from jqlora.crosscheck_weights import decode_4bit  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

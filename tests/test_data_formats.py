@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jqlora import train as T
-from jqlora.train import data as D
+from jqlora.train import examples as E
+from jqlora.train import tokenization as TK
 from test_chat import CHATML, build_tokenizer_folder
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."},
@@ -42,13 +43,13 @@ def tok(tok_dir):
 
 def test_formats_detected_per_line(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [CHAT, ALPACA, ALPACA_IN, TEXT, PC])
-    exs = D.load_jsonl(p)
+    exs = E.load_jsonl(p)
     assert [e.format for e in exs] == ["messages", "alpaca", "alpaca", "text", "prompt_completion"]
     assert exs[0].messages == tuple(CHAT["messages"])
-    assert exs[1].prompt == D.ALPACA_PROMPT[False].format(instruction=ALPACA["instruction"])
+    assert exs[1].prompt == E.ALPACA_PROMPT[False].format(instruction=ALPACA["instruction"])
     assert exs[2].prompt.endswith("### Input:\nFrance\n\n### Response:\n") and exs[2].completion == "Paris."
     # a forced format reads only its own keys
-    ex = D.parse_example({"text": "t", "instruction": "i", "output": "o"}, format="text")
+    ex = E.parse_example({"text": "t", "instruction": "i", "output": "o"}, format="text")
     assert ex.format == "text" and ex.text == "t"
 
 
@@ -71,7 +72,7 @@ def test_formats_detected_per_line(tmp_path):
 def test_errors_name_file_and_line(tmp_path, bad, needle):
     p = write_jsonl(tmp_path / "bad.jsonl", [TEXT, bad, TEXT])
     with pytest.raises(T.DataError) as e:
-        D.load_jsonl(p)
+        E.load_jsonl(p)
     msg = str(e.value)
     assert "bad.jsonl, line 2" in msg and needle in msg and "\n" not in msg, msg
 
@@ -79,9 +80,9 @@ def test_errors_name_file_and_line(tmp_path, bad, needle):
 def test_forced_format_errors(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [CHAT, TEXT])
     with pytest.raises(T.DataError, match="d.jsonl, line 2: missing field 'messages'"):
-        D.load_jsonl(p, format="messages")
+        E.load_jsonl(p, format="messages")
     with pytest.raises(ValueError, match="data format must be"):
-        D.load_jsonl(p, format="chat")
+        E.load_jsonl(p, format="chat")
 
 
 def _trained_text(tok, ids, trained, special):
@@ -95,7 +96,7 @@ def _trained_text(tok, ids, trained, special):
 
 def test_loss_on_assistant_turns_only(tok):
     sp = T.special_tokens(tok)
-    ids, trained = D.tokenize_example(tok, D.parse_example(CHAT), sp)
+    ids, trained = TK.tokenize_example(tok, E.parse_example(CHAT), sp)
     assert list(ids) == tok.apply_chat_template(CHAT["messages"])  # no BOS/EOS added around the template
     text, m = _trained_text(tok, ids, trained, sp)
     assert text == "Paris.<|im_end|>\nRome.<|im_end|>\n"
@@ -107,14 +108,14 @@ def test_loss_on_assistant_turns_only(tok):
 def test_alpaca_text_and_prompt_completion_targets(tok):
     sp = T.special_tokens(tok)
     assert sp.eos_id == tok.token_to_id("<|im_end|>")  # from tokenizer_config.json
-    ids, trained = D.tokenize_example(tok, D.parse_example(ALPACA_IN), sp)
+    ids, trained = TK.tokenize_example(tok, E.parse_example(ALPACA_IN), sp)
     text, _ = _trained_text(tok, ids, trained, sp)
     assert text == "Paris.<|im_end|>"
     assert tok.decode([int(i) for i in ids[~trained]], skip_special_tokens=False) == \
-        "<|begin_of_text|>" + D.ALPACA_PROMPT[True].format(instruction="Name the capital.", input="France")
-    ids, trained = D.tokenize_example(tok, D.parse_example(TEXT), sp)
+        "<|begin_of_text|>" + E.ALPACA_PROMPT[True].format(instruction="Name the capital.", input="France")
+    ids, trained = TK.tokenize_example(tok, E.parse_example(TEXT), sp)
     assert list(trained) == [False] + [True] * (len(ids) - 1)
-    ids, trained = D.tokenize_example(tok, D.parse_example(PC), sp)
+    ids, trained = TK.tokenize_example(tok, E.parse_example(PC), sp)
     assert _trained_text(tok, ids, trained, sp)[0] == "Paris.<|im_end|>"
 
 
@@ -123,11 +124,11 @@ def test_messages_need_a_chat_template(tmp_path):
     t = T.load_tokenizer(plain)
     p = write_jsonl(tmp_path / "d.jsonl", [TEXT, CHAT])
     with pytest.raises(T.DataError, match="d.jsonl, line 2: .*no chat template"):
-        D.check_data(p, t, T.special_tokens(t))
+        TK.check_data(p, t, T.special_tokens(t))
     # --chat-template FILE supplies one
     (tmp_path / "t.jinja").write_text(CHATML)
     t = T.load_tokenizer(plain, chat_template=tmp_path / "t.jinja")
-    summary = D.check_data(p, t, T.special_tokens(t))
+    summary = TK.check_data(p, t, T.special_tokens(t))
     assert summary["examples"] == 2 and summary["formats"] == {"text": 1, "messages": 1}
 
 

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from jqlora import train as T
 from jqlora.train import checkpoint as ckpt_mod
 from jqlora.train import data as D
+from jqlora.train import examples as E
+from jqlora.train import tokenization as TK
 
 # ------------------------------------------------------------------------------------------------
 # fixtures: a char-level tokenizer built on the fly, a tiny causal LM following the model contract
@@ -149,18 +151,18 @@ GOOD = {"text": "abc"}
 def test_jsonl_errors_name_file_and_line(tmp_path, bad, needle):
     p = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD, bad, GOOD])
     with pytest.raises(T.DataError) as e:
-        D.load_jsonl(p)
+        E.load_jsonl(p)
     msg = str(e.value)
     assert "d.jsonl" in msg and "line 3" in msg and needle in msg, msg
 
 
 def test_jsonl_ok_and_empty_file(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"prompt": "", "completion": "x", "id": 7}])
-    exs = D.load_jsonl(p)
+    exs = E.load_jsonl(p)
     assert [e.line for e in exs] == [1, 2] and exs[1].completion == "x"
     (tmp_path / "e.jsonl").write_text("")
     with pytest.raises(T.DataError, match="no examples"):
-        D.load_jsonl(tmp_path / "e.jsonl")
+        E.load_jsonl(tmp_path / "e.jsonl")
 
 
 def test_special_tokens_resolution(tok, tok_path, tmp_path):
@@ -180,8 +182,8 @@ def test_special_tokens_resolution(tok, tok_path, tmp_path):
 
 def test_prompt_completion_masks_only_completion(tok):
     sp = T.special_tokens(tok)
-    ex = D.parse_example({"prompt": "what? ", "completion": "hello."})
-    ids, trained = D.tokenize_example(tok, ex, sp)
+    ex = E.parse_example({"prompt": "what? ", "completion": "hello."})
+    ids, trained = TK.tokenize_example(tok, ex, sp)
     it = T.BatchIterator([(ids, trained)], seq_len=24, batch_size=1, packing=False, shuffle=False,
                          pad_id=sp.pad_id)
     b = next(it)
@@ -194,7 +196,7 @@ def test_prompt_completion_masks_only_completion(tok):
     assert m.sum() == len("hello.") + 1 and not m[n:].any()
     assert not m[: 1 + len("what? ") - 1].any()  # targets that are prompt tokens
     # text examples: every token after BOS is a target
-    ids, trained = D.tokenize_example(tok, D.parse_example({"text": "abc"}), sp)
+    ids, trained = TK.tokenize_example(tok, E.parse_example({"text": "abc"}), sp)
     assert list(trained) == [False, True, True, True, True]
 
 
@@ -243,8 +245,8 @@ def test_packing_segments_positions_no_straddle(lengths, seq_len, batch_size, se
 
 def test_padding_mode_and_truncation(tok):
     sp = T.special_tokens(tok)
-    docs = [D.parse_example({"text": t}) for t in ["ab", "abcdefghijklmnop", "xyz"]]
-    tokd = D.tokenize_examples(tok, docs, sp)
+    docs = [E.parse_example({"text": t}) for t in ["ab", "abcdefghijklmnop", "xyz"]]
+    tokd = TK.tokenize_examples(tok, docs, sp)
     it = T.BatchIterator(tokd, seq_len=8, batch_size=3, packing=False, shuffle=False,
                          pad_id=sp.pad_id)
     b = next(it)
@@ -285,10 +287,10 @@ def test_iterator_resume_is_exact_across_epochs():
 
 
 def test_tokenizer_vocab_mismatch(tok, tmp_path, tok_path):
-    D.check_tokenizer_fits(tok, VOCAB)
-    D.check_tokenizer_fits(tok, VOCAB + 64)  # padded embeddings are fine
+    TK.check_tokenizer_fits(tok, VOCAB)
+    TK.check_tokenizer_fits(tok, VOCAB + 64)  # padded embeddings are fine
     with pytest.raises(T.DataError, match=r"vocab_size is 20"):
-        D.check_tokenizer_fits(tok, 20)
+        TK.check_tokenizer_fits(tok, 20)
     data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(4))
     with pytest.raises(T.DataError, match="vocab_size"):
         T.train(StubLM(vocab_size=20), base_config(tmp_path, tok_path, data))

@@ -43,11 +43,12 @@ from flax import nnx
 
 from .checkpoint import (STATE_FILE, NonFiniteStateError, latest_checkpoint, list_checkpoints,
                          remove_stale_saves, restore_checkpoint, save_checkpoint)
-from .data import (BatchIterator, Example, SegmentTables, check_tokenizer_fits, load_jsonl,
-                   load_tokenizer, parse_example, special_tokens, tokenize_examples)
+from .data import BatchIterator, SegmentTables
+from .examples import Example, load_jsonl, parse_example
 from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, CsvLog, write_loss_plot
 from .optim import make_optimizer, make_schedule
 from .step import evaluate, train_step
+from .tokenization import check_tokenizer_fits, load_tokenizer, special_tokens, tokenize_examples
 from .. import parallel
 
 __all__ = ["TrainConfig", "TrainResult", "NonFiniteLossError", "train"]
@@ -99,10 +100,10 @@ class TrainConfig:
     b2: float = 0.999
     grad_clip: float | None = 1.0
     final_lr_ratio: float = 0.0
-    bos: Any = "auto"            # see data.special_tokens
+    bos: Any = "auto"            # see tokenization.special_tokens
     eos: Any = "auto"
     overflow: str = "truncate"   # long examples: "truncate" or "split"
-    data_format: str = "auto"    # "auto" (per line, from its keys) or a data.FORMATS key
+    data_format: str = "auto"    # "auto" (per line, from its keys) or an examples.FORMATS key
     chat_template: str | None = None  # a Jinja file replacing the tokenizer folder's template
     shuffle: bool = True
     keep_checkpoints: int | None = 2
