@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
+from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -129,3 +131,11 @@ def fmt_bytes(n: float) -> str:
 
 __all__ = ["DTYPES", "quiet_third_party", "jnp_dtype", "default_compute_dtype", "fmt_bytes", "ATTENTION_CHOICES",
            "ATTENTION_AUTO_HELP", "cudnn_attention_available", "resolve_attention", "resolve_remat"]
+
+
+def user_cache_dir(name: str, environ: Mapping[str, str] | None = None) -> Path:
+    """`$XDG_CACHE_HOME/jqlora/<name>`, else `~/.cache/jqlora/<name>`: where jqlora keeps what it
+    builds once per user (compiled programs, converted models)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache")
+    return Path(base).expanduser() / "jqlora" / name

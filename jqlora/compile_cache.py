@@ -1,8 +1,7 @@
 """JAX's persistent compilation cache in one per-user directory: a second run of the same model,
 settings and shapes loads its compiled programs from disk instead of compiling them again.
 
-Compiling is most of a command's start-up: the 8B train step compiles in 77-83 s on an H200/H100
-(docs/training.md). The `jqlora` command line turns the cache on at start-up, before anything
+Compiling is most of a command's start-up on a warm disk (docs/training.md, compile time). The `jqlora` command line turns the cache on at start-up, before anything
 compiles, in `default_dir()` (`$XDG_CACHE_HOME/jqlora/xla`, else `~/.cache/jqlora/xla`);
 `JQLORA_COMPILE_CACHE=/some/dir` chooses another directory, `JQLORA_COMPILE_CACHE=0` or the global
 flag `--no-compile-cache` turns it off (`cli_dir`). Importing jqlora changes no global JAX setting:
@@ -17,6 +16,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from jqlora._util import user_cache_dir
+
 ENV = "JQLORA_COMPILE_CACHE"
 _OFF = ("0", "off", "false", "no", "none")
 _ON = ("1", "on", "true", "yes")
@@ -28,9 +29,7 @@ def default_dir(environ: Mapping[str, str] | None = None) -> Path:
     Args:
       environ: the environment to read (default `os.environ`).
     """
-    env = os.environ if environ is None else environ
-    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache")
-    return Path(base) / "jqlora" / "xla"
+    return user_cache_dir("xla", environ)
 
 
 def cli_dir(environ: Mapping[str, str] | None = None, *, disabled: bool = False) -> Path | None:

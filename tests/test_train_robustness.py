@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from jqlora.cli import main
+from cli_runner import run_cli
 from jqlora.runs import LOCK_FILE, RUN_FILE
 
 CONFIG = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -70,12 +70,6 @@ def train_args(model: Path, out: Path, *extra) -> list[str]:
             "--seq-len", "32", "--batch-size", "4", "--lr", "0.01", "--seed", "1", "--lora-dropout", "0.1",
             "--out-dir", str(out), "--attention", "einsum", "--remat", "false", *map(str, extra)]
 
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def tree(d: Path) -> dict[str, str]:

@@ -397,7 +397,7 @@ class CausalLM(nnx.Module):
             plan = remat_plan(self.config, batch, seq_len, param_bytes=_state_bytes(self),
                               compute_dtype=self.compute_dtype, attention=self.attention,
                               lora_rank=_lora_rank(self))
-            plan.log_once()
+            plan.log()
             return None if plan.policy is None else REMAT_POLICIES[plan.policy]
         return resolve_remat(self.remat)
 

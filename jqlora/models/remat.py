@@ -17,7 +17,6 @@ policies is the same.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Callable, Optional
 
@@ -80,13 +79,9 @@ class RematPlan:
     device_bytes: Optional[int]
     reason: str
 
-    def log_once(self) -> None:
-        _log_plan(self.reason)
-
-
-@functools.lru_cache(maxsize=32)  # one line per distinct plan, not one per trace
-def _log_plan(line: str) -> None:
-    _log.info(line)
+    def log(self) -> None:
+        """One log line per trace that asks for the plan (one per compiled shape), no global cache."""
+        _log.info(self.reason)
 
 
 def _gib(n) -> str:
