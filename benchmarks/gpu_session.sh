@@ -7,9 +7,10 @@
 #   bash benchmarks/gpu_session.sh bench-large  # bitsandbytes: M = 1, 16, 128 (+ dequant, memory)
 #                                               # / M = 2048, 8192 (files <gpu>-<date>_small|_large.*)
 #   bash benchmarks/gpu_session.sh train [1b|8b]  # end-to-end QLoRA step, jqlora vs torch (~2 / ~8 min)
-#   bash benchmarks/gpu_session.sh scale-a  # 4 GPUs: product path 1B (GPU 0) | 8B remat policies
-#                                           # (GPU 1) | 8B data=2, 70B fsdp=2 under 40 GB (GPUs 2,3)
-#   bash benchmarks/gpu_session.sh scale-b  # 4 GPUs: 8B data=4 and data=2,fsdp=2; 70B fsdp=4
+#   bash benchmarks/gpu_session.sh scale-a  # 4 GPUs: decode profile 1B/8B (GPU 0) | 8B long context
+#                                           # (GPU 1) | 70B fsdp=2 under 40 GB (GPUs 2,3)
+#   bash benchmarks/gpu_session.sh scale-b  # 4 GPUs: one-GPU baseline, 8B data=4 and data=2,fsdp=2,
+#                                           # 70B fsdp=4 at 2,048 and 16,384 tokens
 #   bash benchmarks/gpu_session.sh product [1b|8b]  # the product path: `jqlora train`/`generate` with
 #                                                   # defaults, cold and warm cache, vs torch (<= 9.5 min)
 # Carry `.whl` (bitsandbytes wheel, see docs/benchmarks.md). Results land in $OUT.
@@ -48,23 +49,32 @@ case "${1:-tests}" in
     timeout 590 python3 -m benchmarks.product_bench --shape "${2:-1b}" --out "$OUT" --workdir /tmp 2>&1 \
       | tee "$OUT/product_${2:-1b}.log" | tail -20 ;;
   scale-a)
-    # three independent jobs on disjoint GPUs of one 4-GPU machine, each with its own time limit
-    tb="python3 -m benchmarks.train_bench --side jax --attention cudnn --steps 5"
-    (CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m benchmarks.product_bench --shape 1b --out "$OUT" \
-       --workdir /tmp --budget-s 540 > "$OUT/product_1b.log" 2>&1) &
+    # three independent jobs on disjoint GPUs of one 4-GPU machine, each with its own time limit:
+    # decode profile 1B and 8B (GPU 0) | 8B long context (GPU 1) | 70B fsdp=2 under 40 GB (GPUs 2,3)
+    tb="python3 -m benchmarks.train_bench --side jax --attention cudnn"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 250 python3 -m benchmarks.profile.decode_profile --shape 1b --variants default,unroll16,cmdbuf --timeout-s 120
+     timeout 300 python3 -m benchmarks.profile.decode_profile --shape 8b --variants default,unroll32,cmdbuf --timeout-s 140
+     ) > "$OUT/decode.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1
-     for r in auto nothing_saveable; do timeout 200 $tb --shape 8b --remat $r; done
-     timeout 150 $tb --shape 8b --seq 16384 --remat auto) > "$OUT/scale_1gpu.jsonl" 2> "$OUT/scale_1gpu.log" &
+     for r in nothing_saveable offload_layer_inputs; do timeout 150 $tb --shape 8b --seq 65536 --steps 1 --remat $r; done
+     timeout 240 $tb --shape 8b --remat auto --compile-only 65536,131072,262144,360448
+     ) > "$OUT/long_context.jsonl" 2> "$OUT/long_context.log" &
     (export CUDA_VISIBLE_DEVICES=2,3
-     timeout 220 $tb --shape 8b --remat auto --mesh data=2
-     XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 330 $tb --shape 70b --remat auto --mesh fsdp=2
+     total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 2)  # MiB
+     export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(40e9 / ($total * 2**20), 3))")
+     echo "mem fraction $XLA_PYTHON_CLIENT_MEM_FRACTION of $total MiB" >&2
+     timeout 540 $tb --shape 70b --remat auto --mesh fsdp=2 --steps 3
      ) > "$OUT/scale_2gpu.jsonl" 2> "$OUT/scale_2gpu.log" &
-    wait; tail -3 "$OUT"/*.log; cat "$OUT"/*.jsonl ;;
+    wait; tail -4 "$OUT"/*.log; cat "$OUT"/*.jsonl ;;
   scale-b)
+    # one-GPU baseline, then 8B data=4 and data=2,fsdp=2, 70B fsdp=4 at 2,048 and 16,384 tokens a row
     tb="python3 -m benchmarks.train_bench --side jax --attention cudnn --steps 5"
-    (timeout 200 $tb --shape 8b --remat auto --mesh data=4
-     timeout 200 $tb --shape 8b --remat auto --mesh data=2,fsdp=2
-     timeout 330 $tb --shape 70b --remat auto --mesh fsdp=4
+    (CUDA_VISIBLE_DEVICES=0 timeout 90 $tb --shape 8b --remat auto
+     timeout 100 $tb --shape 8b --remat auto --mesh data=4
+     timeout 100 $tb --shape 8b --remat auto --mesh data=2,fsdp=2
+     timeout 150 $tb --shape 70b --remat auto --mesh fsdp=4 --steps 3
+     timeout 140 $tb --shape 70b --remat auto --mesh fsdp=4 --steps 2 --seq 16384
      ) > "$OUT/scale_4gpu.jsonl" 2> "$OUT/scale_4gpu.log"
-    tail -5 "$OUT/scale_4gpu.log"; cat "$OUT/scale_4gpu.jsonl" ;;
+    grep -v "^  " "$OUT/scale_4gpu.log" | tail -12; cat "$OUT/scale_4gpu.jsonl" ;;
 esac

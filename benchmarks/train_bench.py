@@ -30,6 +30,13 @@ SHAPES = {
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def _note(msg: str, t0: float) -> None:
+    """A progress line on stderr (a run cut off by its time limit still says how far it got)."""
+    import sys
+
+    print(f"train_bench: {time.perf_counter() - t0:7.1f} s  {msg}", file=sys.stderr, flush=True)
+
+
 def hf_config(shape: str, layers: int | None = None) -> dict:
     c = dict(SHAPES[shape])
     if layers is not None:
@@ -57,9 +64,11 @@ def flops_per_token(c: dict, seq: int) -> float:
     return 2 * (2 * n + head) + 3 * attn
 
 
-def _random_nf4(key, shape, mesh):
+def _random_nf4(key, shape, mesh, makers: dict):
     """A random NF4 (blocksize 64, double quant) weight made directly as packed bytes and scales,
-    each array created on its shards (jqlora.parallel's layout): no dense weight, no quantization."""
+    each array created on its shards (jqlora.parallel's layout): no dense weight, no quantization.
+    `makers` holds one compiled maker per weight shape (a 70B model has 560 weights of 7 shapes:
+    one compilation each, not one per weight)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -67,29 +76,36 @@ def _random_nf4(key, shape, mesh):
     from jqlora import parallel, quant
     from jqlora.quant.tables import code_4bit, dynamic_map
 
-    n = shape[0] * shape[1]
-    nb = n // 64
-    ng = -(-nb // 256)
-    q = quant.Weight4bit(packed=jax.ShapeDtypeStruct((n // 2,), jnp.uint8), absmax=jax.ShapeDtypeStruct((nb,), jnp.uint8),
-                         code=None, nested_absmax=jax.ShapeDtypeStruct((ng,), jnp.float32), shape=tuple(shape))
-    lay = parallel.weight_layout(q, int(mesh.shape["fsdp"]))
-    cut = lambda ax: NamedSharding(mesh, P("fsdp") if ax is not None else P())  # noqa: E731
-    k1, k2, k3 = jax.random.split(key, 3)
-    make = jax.jit(lambda: (jax.random.bits(k1, (n // 2,), jnp.uint8), jax.random.bits(k2, (nb,), jnp.uint8),
-                            jax.random.uniform(k3, (ng,), jnp.float32, 0.01, 0.03)),
-                   out_shardings=(cut(lay.packed), cut(lay.absmax), cut(lay.nested_absmax)))
-    packed, absmax, nested = make()
+    shape = tuple(shape)
+    if shape not in makers:
+        n = shape[0] * shape[1]
+        nb = n // 64
+        ng = -(-nb // 256)
+        q = quant.Weight4bit(packed=jax.ShapeDtypeStruct((n // 2,), jnp.uint8),
+                             absmax=jax.ShapeDtypeStruct((nb,), jnp.uint8), code=None,
+                             nested_absmax=jax.ShapeDtypeStruct((ng,), jnp.float32), shape=shape)
+        lay = parallel.weight_layout(q, int(mesh.shape["fsdp"]))
+        cut = lambda ax: NamedSharding(mesh, P("fsdp") if ax is not None else P())  # noqa: E731
+
+        def make(k):
+            k1, k2, k3 = jax.random.split(k, 3)
+            return (jax.random.bits(k1, (n // 2,), jnp.uint8), jax.random.bits(k2, (nb,), jnp.uint8),
+                    jax.random.uniform(k3, (ng,), jnp.float32, 0.01, 0.03))
+
+        makers[shape] = jax.jit(make, out_shardings=(cut(lay.packed), cut(lay.absmax), cut(lay.nested_absmax)))
+    packed, absmax, nested = makers[shape](key)
     rep = NamedSharding(mesh, P())
     return quant.Weight4bit(packed=packed, absmax=absmax, code=jax.device_put(code_4bit("nf4"), rep),
                             nested_absmax=nested, nested_code=jax.device_put(dynamic_map(), rep),
-                            offset=jax.device_put(jnp.float32(0.0), rep), shape=tuple(shape),
+                            offset=jax.device_put(jnp.float32(0.0), rep), shape=shape,
                             quant_type="nf4", blocksize=64, stored_dtype="bfloat16")
 
 
 def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", layers: int | None = None,
-              mesh=None, remat="nothing_saveable"):
+              mesh=None, remat="nothing_saveable", lora: bool = True):
     """The jqlora side's model, optimizer and one batch (random weights, quantized on device);
-    `layers` overrides the shape's layer count. With a `mesh` (jqlora.parallel) every weight is
+    `layers` overrides the shape's layer count; lora=False builds the bare quantized model (what
+    `jqlora generate` runs without an adapter). With a `mesh` (jqlora.parallel) every weight is
     made on its shards as random NF4 bytes and scales, and the batch has one row per device."""
     import jax
     import jax.numpy as jnp
@@ -105,12 +121,14 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
     h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     qd, kvd = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     key = jax.random.key(0)
+    t_build = time.perf_counter()
     if mesh is not None:
         from jax.sharding import NamedSharding, PartitionSpec as P
 
         normal = jax.jit(lambda k, s: jax.random.normal(k, s, jnp.bfloat16) * 0.02, static_argnums=1,
                          out_shardings=NamedSharding(mesh, P("fsdp")))
-        quantize = lambda k, s: _random_nf4(k, s, mesh)  # noqa: E731
+        makers: dict = {}
+        quantize = lambda k, s: _random_nf4(k, s, mesh, makers)  # noqa: E731
     else:
         normal = lambda k, s: jax.random.normal(k, s, jnp.bfloat16) * 0.02  # noqa: E731
     params = {"model.embed_tokens.weight": normal(key, (v, h)),
@@ -127,18 +145,57 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
         params[f"model.layers.{layer}.input_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
         params[f"model.layers.{layer}.post_attention_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
     jax.block_until_ready(params)
-    model = from_params(params, c, lora=LoraConfig(rank=16, alpha=32, target_modules=TARGETS),
+    _note(f"{len(params)} weights made", t_build)
+    model = from_params(params, c, lora=LoraConfig(rank=16, alpha=32, target_modules=TARGETS) if lora else None,
                         compute_dtype=jnp.bfloat16, remat=remat, backend=backend, attention=attention,
                         donate_params=True)  # stacking the layers deletes the per-layer arrays as it goes
     del params
+    _note("model built (layers stacked)", t_build)
+    if not lora:
+        return model, None, None
     opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000), wrt=nnx.LoRAParam)
-    rows = 1 if mesh is None else int(mesh.size)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, v, (1, rows, seq + 1), dtype=np.int32)
-    batch = {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, rows, seq), np.float32),
-             "segment_ids": np.ones((1, rows, seq), np.int32),
-             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (1, rows, seq)).copy()}
-    return model, opt, batch
+    return model, opt, make_batch(v, 1 if mesh is None else int(mesh.size), seq)
+
+
+def make_batch(vocab: int, rows: int, seq: int) -> dict:
+    """One micro-batch of random tokens: `rows` rows of `seq` tokens, one document each."""
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, vocab, (1, rows, seq + 1), dtype=np.int32)
+    return {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, rows, seq), np.float32),
+            "segment_ids": np.ones((1, rows, seq), np.int32),
+            "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (1, rows, seq)).copy()}
+
+
+def compile_only(shape: str, seqs: list[int], backend: str, attention: str, remat) -> list[dict]:
+    """XLA's own memory analysis of the one-device train step at each sequence length, compiled and
+    never run (a step at 350k tokens takes minutes): device temporaries, arguments, outputs and
+    host temporaries (offloaded activations), with the policy `remat="auto"` chose."""
+    import jax
+
+    from jqlora import models
+    from jqlora.train.step import train_step
+
+    model, opt, _ = build_jax(shape, seqs[0], backend, attention, remat=remat)
+    c = hf_config(shape)
+    out = []
+    for seq in seqs:
+        batch = make_batch(c["vocab_size"], 1, seq)
+        del batch["segment_ids"]  # one unpacked sequence per row, as run_jax runs it
+        t0 = time.perf_counter()
+        ma = train_step.bind(model, opt).lower(batch).compile().memory_analysis()
+        rec = {"side": "jqlora", "mode": "compile-only", "shape": shape, "seq": seq, "remat": remat,
+               "compile_s": round(time.perf_counter() - t0, 1)}
+        for k in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                  "host_temp_size_in_bytes", "host_argument_size_in_bytes"):
+            if hasattr(ma, k):
+                rec[k.replace("_size_in_bytes", "_gib")] = round(getattr(ma, k) / 2**30, 2)
+        if remat == "auto":
+            rec["plan"] = models.remat_plan(c, 1, seq, attention=attention).reason
+        rec["device"] = jax.devices()[0].device_kind
+        print(json.dumps(rec), flush=True)
+        out.append(rec)
+    return out
 
 
 def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "einsum",
@@ -185,6 +242,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     t0 = time.perf_counter()
     jax.block_until_ready(run(batch)["loss"])
     compile_s = time.perf_counter() - t0
+    _note(f"first step (compile) {compile_s:.1f} s", t0)
     times, losses = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -335,7 +393,14 @@ def main(argv=None):
                         "--seq tokens per device; weights made as random NF4 bytes on their shards")
     p.add_argument("--remat", default="nothing_saveable",
                    help="jax side: none, auto (jqlora.models.remat_plan) or a policy name in REMAT_POLICIES")
+    p.add_argument("--compile-only", default=None, metavar="SEQS",
+                   help="jax side, one device: compile the step at each of these sequence lengths "
+                        "(e.g. 131072,262144) and print XLA's memory analysis; nothing runs")
     a = p.parse_args(argv)
+    if a.compile_only:
+        compile_only(a.shape, [int(x) for x in a.compile_only.split(",")], a.backend, a.attention,
+                     False if a.remat == "none" else a.remat)
+        return
     if a.side == "jax":
         remat = False if a.remat == "none" else a.remat
         res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch, a.packed,

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jqlora import ops as _ops
 from jqlora import quant
@@ -29,7 +30,7 @@ from jqlora.lora.stacked import LayerStack, StackedLayers
 from jqlora.models import packed_attention
 from jqlora.models.cache import KVCache
 from jqlora.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
-from jqlora.models.remat import REMAT_POLICIES, remat_plan, resolve_remat
+from jqlora.models.remat import LAYER_INPUT, REMAT_POLICIES, mlp_chunk_for, remat_plan, resolve_remat
 
 
 _MASK_VALUE = float(np.finfo(np.float32).min)
@@ -187,8 +188,23 @@ class MLP(nnx.Module):
         self.down_proj = linears["down_proj"]
         self.act = config.hidden_act
 
-    def __call__(self, x):
+    def __call__(self, x, chunk: int = 0):
+        """chunk > 0: the rows' tokens in chunks of `chunk` (a divisor of T), each chunk
+        checkpointed, so a backward pass holds one chunk's intermediates (long sequences under full
+        remat, `remat.mlp_chunk_for`). Needs no active LoRA dropout (its RNG cannot advance inside
+        the loop over chunks); with dropout the rows run whole."""
+        b, t, h = x.shape
+        if chunk and t > chunk and t % chunk == 0 and not self._has_dropout():
+            xs = jnp.moveaxis(x.reshape(b, t // chunk, chunk, h), 1, 0)
+            ys = jax.lax.map(jax.checkpoint(self._dense, prevent_cse=False), xs)
+            return jnp.moveaxis(ys, 0, 1).reshape(b, t, ys.shape[-1])
+        return self._dense(x)
+
+    def _dense(self, x):
         return self.down_proj(_activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+
+    def _has_dropout(self) -> bool:
+        return any(isinstance(n, nnx.Dropout) for _, n in nnx.iter_graph(self))
 
 
 class DecoderLayer(nnx.Module):
@@ -215,11 +231,11 @@ class DecoderLayer(nnx.Module):
             src.tensor(f"{prefix}.post_attention_layernorm.weight", (c.hidden_size,)), c.rms_norm_eps)
 
     def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, runs=None, kv_cache=None, index=None,
-                 impl: str = "einsum", plain_causal: bool = False):
+                 impl: str = "einsum", plain_causal: bool = False, mlp_chunk: int = 0):
         a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, q_slots, k_slots, q_seg, k_seg,
                                    runs, kv_cache, index, impl, plain_causal)
         x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), mlp_chunk)
         return x, new_kv
 
 
@@ -239,14 +255,19 @@ class DecoderStack(LayerStack):
     forward is one `lax.scan` over them, so the compiled program holds one layer's code whatever
     the depth."""
 
-    def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool):
+    def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool, unroll: int = 1):
         """-> (x, cache, each layer's output stacked (size, B, T, H) or None without `collect`).
-        cache: None or (k, v) of shape (num_layers, B, S, kvh, d); layer start + j uses row start + j."""
+        cache: None or (k, v) of shape (num_layers, B, S, kvh, d); layer start + j uses row start + j.
+        unroll: layers per scan iteration (`lax.scan`'s unroll)."""
         graphdef, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
+
+        mlp_chunk = mlp_chunk_for(policy, x.shape[1])
 
         def one_layer(x, rng_j, rest_j, kv):
             layer = nnx.merge(graphdef, rng_j, rest_j)
-            x, new_kv = layer(x, *aux, kv_cache=kv, index=index, impl=impl, plain_causal=plain_causal)
+            x = checkpoint_name(x, LAYER_INPUT)  # what the offloading remat policy keeps on the host
+            x, new_kv = layer(x, *aux, kv_cache=kv, index=index, impl=impl, plain_causal=plain_causal,
+                              mlp_chunk=mlp_chunk)
             return x, new_kv, nnx.state(layer, nnx.RngState)
 
         if policy is not None:  # remat per layer: the scan body is the checkpointed function
@@ -260,7 +281,8 @@ class DecoderStack(LayerStack):
             return (x, new_kv), (rng_j, x if collect else None)
 
         ids = self.start + jnp.arange(self.size, dtype=jnp.int32)
-        (x, cache), (new_rng, ys) = jax.lax.scan(body, (x, cache), (rng_state, rest, ids))
+        (x, cache), (new_rng, ys) = jax.lax.scan(body, (x, cache), (rng_state, rest, ids),
+                                                 unroll=max(1, min(int(unroll), self.size)))
         if any(isinstance(n, nnx.Dropout) and n.rate > 0 and not n.deterministic
                for _, n in nnx.iter_graph(self.layer)):
             nnx.update(self.layer, new_rng)  # active dropout advanced its RNG counts, per layer
@@ -314,6 +336,9 @@ class CausalLM(nnx.Module):
         if remat:
             resolve_remat(remat)  # validate early
         self.backend = backend
+        # Layers per scan iteration when decoding with a KV cache (1: a rolled loop). A static
+        # setting: generation programs that differ in it compile separately.
+        self.decode_unroll = 1
         self.model = LlamaModel(config, src)
         if config.tie_word_embeddings:
             self.lm_head = nnx.data(None)
@@ -376,7 +401,7 @@ class CausalLM(nnx.Module):
         collected = []
         for stack in self.model.layers.stacks:
             x, kv, ys = stack(x, aux, kv, index=index, impl=impl, plain_causal=plain_causal, policy=policy,
-                              collect=return_states)
+                              collect=return_states, unroll=1 if cache is None else self.decode_unroll)
             if return_states:
                 collected.extend(ys[j] for j in range(stack.size))
         x = self.model.norm(x)

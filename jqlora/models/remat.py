@@ -3,7 +3,13 @@
 `remat="auto"` asks `remat_plan` for the fastest policy whose predicted peak memory fits the
 device: no remat (nothing recomputed), then `dots_with_no_batch_dims_saveable` (the matmul
 outputs kept, the elementwise work recomputed), then `nothing_saveable` (each layer's input kept,
-the whole layer recomputed in the backward pass). No policy keeps a dense dequantized weight:
+the whole layer recomputed in the backward pass), then `offload_layer_inputs` (as
+`nothing_saveable`, but each layer's input is kept in pinned host memory, not on the device: for
+sequences whose layer inputs alone would fill the device).
+
+Under the two full-recompute policies, sequences of at least 2 x `MLP_CHUNK_TOKENS` tokens run
+the MLP in chunks of that many tokens, each checkpointed, so one layer's backward holds the MLP's
+intermediates (4 x intermediate width per token) of one chunk, not of the whole sequence. No policy keeps a dense dequantized weight:
 `jqlora.ops.qmatmul` saves the packed weight and dequantizes again (docs/design.md, invariant 2).
 
 The prediction is analytic, per token and per layer, in units of the model's widths, plus the
@@ -27,15 +33,39 @@ from jqlora.models.config import ModelConfig
 
 _log = logging.getLogger("jqlora.models")
 
+# The name `DecoderStack` gives each decoder layer's input (`checkpoint_name`): what the offloading
+# policy moves to host memory.
+LAYER_INPUT = "decoder_layer_input"
+
 REMAT_POLICIES = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "offload_layer_inputs": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host"),
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
 }
 
 # The candidates of "auto", fastest first. None = no remat.
-AUTO_ORDER = (None, "dots_with_no_batch_dims_saveable", "nothing_saveable")
+AUTO_ORDER = (None, "dots_with_no_batch_dims_saveable", "nothing_saveable", "offload_layer_inputs")
+
+# The policies that recompute whole layers, and under which long sequences chunk the MLP.
+FULL_RECOMPUTE = ("nothing_saveable", "offload_layer_inputs")
+# Tokens per MLP chunk (a row's sequence is split when it has at least twice this many tokens
+# and is a multiple of it).
+MLP_CHUNK_TOKENS = 16384
+
+
+def mlp_chunk_for(policy: Optional[Callable], seq_len: int) -> int:
+    """Tokens per MLP chunk for a forward under `policy` over rows of `seq_len` tokens; 0 = the
+    whole row at once (no chunking: a policy that keeps activations, or a short row)."""
+    full = {REMAT_POLICIES[n] for n in FULL_RECOMPUTE} | {jax.checkpoint_policies.nothing_saveable}
+    if policy is None or policy not in full:
+        return 0
+    if seq_len >= 2 * MLP_CHUNK_TOKENS and seq_len % MLP_CHUNK_TOKENS == 0:
+        return MLP_CHUNK_TOKENS
+    return 0
 
 # Of the device's memory, what a plan may use: XLA's temporaries, fragmentation and the compile
 # step's own scratch need the rest.
@@ -90,8 +120,9 @@ def _gib(n) -> str:
 
 def activation_bytes_per_token(config: ModelConfig, policy: Optional[str], *, compute_dtype=jnp.bfloat16,
                                attention: str = "cudnn", seq_len: int = 2048, lora_rank: int = 16) -> dict:
-    """Predicted activation bytes per token of the train step: {"kept": what the forward keeps for
-    the backward over all layers, "transient": one layer's recomputation/backward working set}.
+    """Predicted activation bytes per token of the train step: {"kept": what the forward keeps on
+    the device for the backward over all layers, "transient": one layer's recomputation/backward
+    working set, "host": what the forward keeps in host memory}.
 
     Per layer and token, with s the compute dtype's size: without remat the backward keeps the
     norms' inputs and outputs (4 H s), q/k/v and the attention output ((2 Q + 2 KV) s), the MLP's
@@ -102,7 +133,9 @@ def activation_bytes_per_token(config: ModelConfig, policy: Optional[str], *, co
     ((2 H + Q + I) s), not the attention scores (their einsums have batch dimensions). At the
     8B shape that is more than no remat keeps, so "auto" picks it only where the einsum
     attention's scores make no remat the larger one. nothing_saveable keeps each layer's input (H s) and rebuilds one layer at a
-    time, with float32 gradients of the residual stream (4 H x 4) on top.
+    time, with float32 gradients of the residual stream (4 H x 4) on top; from 2 x
+    MLP_CHUNK_TOKENS tokens its MLP runs in chunks, so the MLP's part of that working set (4 I s)
+    is one chunk's. offload_layer_inputs keeps the layer inputs in host memory instead.
 
     Against the 8B step measured on an H200 (batch 1, cuDNN attention, bf16; issue 31): no remat
     predicted 16.4 GiB / measured 16.4 at 2,048 tokens; the matmul outputs 20.0 / 20.8;
@@ -117,11 +150,16 @@ def activation_bytes_per_token(config: ModelConfig, policy: Optional[str], *, co
     dots = (q + 2 * kv + 2 * h + 2 * i) * 4 + (2 * h + q + i) * s + lora + (0 if attention == "einsum" else attn)
     n = c.num_hidden_layers
     if policy is None:
-        return {"kept": int(n * full * KEPT_MEASURED_OVER_COUNTED), "transient": 0}
+        return {"kept": int(n * full * KEPT_MEASURED_OVER_COUNTED), "transient": 0, "host": 0}
     if policy == "dots_with_no_batch_dims_saveable":
-        return {"kept": int(n * dots * KEPT_MEASURED_OVER_COUNTED), "transient": max(full - dots, 0) + 4 * h * 4}
-    if policy == "nothing_saveable":
-        return {"kept": n * h * s, "transient": full + 4 * h * 4}
+        return {"kept": int(n * dots * KEPT_MEASURED_OVER_COUNTED), "transient": max(full - dots, 0) + 4 * h * 4,
+                "host": 0}
+    if policy in FULL_RECOMPUTE:
+        mlp = 4 * i * s
+        chunked = seq_len >= 2 * MLP_CHUNK_TOKENS and seq_len % MLP_CHUNK_TOKENS == 0
+        transient = full + 4 * h * 4 - (mlp * (1 - MLP_CHUNK_TOKENS / seq_len) if chunked else 0)
+        kept = 0 if policy == "offload_layer_inputs" else n * h * s
+        return {"kept": kept, "transient": int(transient), "host": n * h * s - kept}
     raise ValueError(f"no memory model for policy {policy!r}; expected one of {AUTO_ORDER}")
 
 
@@ -183,11 +221,12 @@ def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] 
     tokens = int(batch) * int(seq_len)
     fixed = int(param_bytes) + _lora_train_bytes(cfg, lora_rank) \
         + 3 * 4 * int(batch) * min(loss_chunk, seq_len) * cfg.vocab_size  # one chunk's logits, softmax, grad
-    predicted = {}
+    predicted, host_bytes = {}, {}
     for policy in AUTO_ORDER:
         a = activation_bytes_per_token(cfg, policy, compute_dtype=compute_dtype, attention=attention,
                                        seq_len=seq_len, lora_rank=lora_rank)
         predicted[policy or "none"] = fixed + tokens * (a["kept"] + a["transient"])
+        host_bytes[policy or "none"] = tokens * a["host"]
     if device_bytes is None:
         return RematPlan(None, predicted, None, f"remat: none (device memory unknown; predicted "
                                                 f"{_gib(predicted['none'])})")
@@ -195,8 +234,10 @@ def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] 
     for policy in AUTO_ORDER:
         need = predicted[policy or "none"]
         if need <= budget:
+            host = host_bytes.get(policy or "none", 0)
+            extra = f"; {_gib(host)} of layer inputs in host memory" if host else ""
             return RematPlan(policy, predicted, device_bytes,
-                             f"remat: {policy or 'none'} (predicted {_gib(need)} of {_gib(device_bytes)})")
+                             f"remat: {policy or 'none'} (predicted {_gib(need)} of {_gib(device_bytes)}{extra})")
     last = AUTO_ORDER[-1]
     return RematPlan(last, predicted, device_bytes,
                      f"remat: {last} (predicted {_gib(predicted[last])} of {_gib(device_bytes)}: "

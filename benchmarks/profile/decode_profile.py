@@ -1,0 +1,120 @@
+"""Where the time of one decoded token goes: `jqlora.models.generate` at batch 1, kernel by kernel.
+
+    OUT=/tmp/out python -m benchmarks.profile.decode_profile --shape 1b [--tokens 256] \
+        [--variants default,unroll4,cmdbuf]
+
+Each variant runs in its own process (XLA flags are read once per process) on a random-weight NF4
+model of `benchmarks.train_bench`'s shape without LoRA (what `jqlora generate` runs without an
+adapter), bf16, remat off. Per variant: generation of 1 and of `--tokens` new tokens, each timed on
+its second call; decode tokens/s = (tokens - 1) / (time(tokens) - time(1)); then one traced call
+of `--tokens` tokens: GPU kernel time per token by category (`train_profile.categorize`) against
+the wall time per token (the gap is time the GPU waits for the host: launches, loop predicates).
+
+Variants: default (the library's settings); unrollN (N decoder layers per scan iteration while
+decoding: `CausalLM.decode_unroll`); cmdbuf (XLA command buffers, i.e. CUDA graphs, for while
+loops and conditionals too: `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
+Writes $OUT/decode_profile_<shape>.json (one record per variant) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+FLAGS = {"cmdbuf": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
+PROMPT_LEN = 16
+
+
+def child(shape: str, tokens: int, variant: str, layers: int | None) -> dict:
+    import jax
+    import numpy as np
+
+    from benchmarks.profile.train_profile import hlo_lines, kernel_events, summarize
+    from benchmarks.train_bench import build_jax
+    from jqlora import models
+
+    t0 = time.perf_counter()
+    model, _, _ = build_jax(shape, 2048, "auto", "cudnn", layers=layers, remat=False, lora=False)
+    if variant.startswith("unroll"):
+        model.decode_unroll = int(variant[len("unroll"):])
+    build_s = time.perf_counter() - t0
+    ids = np.asarray([[5 + (7 * i) % 26 for i in range(PROMPT_LEN)]], np.int32)
+    times, compile_s = {}, {}
+    for n in (1, tokens):
+        t = time.perf_counter()
+        np.asarray(models.generate(model, ids, n))
+        compile_s[n] = time.perf_counter() - t
+        runs = []
+        for _ in range(3):
+            t = time.perf_counter()
+            np.asarray(models.generate(model, ids, n))
+            runs.append(time.perf_counter() - t)
+        times[n] = statistics.median(runs)
+    extra = times[tokens] - times[1]
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            t = time.perf_counter()
+            np.asarray(models.generate(model, ids, tokens))
+            traced_s = time.perf_counter() - t
+        paths = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+        with gzip.open(paths[0]) as f:
+            trace = json.load(f)
+    events = kernel_events(trace)
+    res = summarize(events, hlo_lines(""), tokens, lora_rank=16)
+    return {"shape": shape, "layers": layers, "variant": variant, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "tokens": tokens, "build_s": round(build_s, 1), "compile_s": {str(k): round(v, 2) for k, v in compile_s.items()},
+            "one_token_s": round(times[1], 4), f"tokens_{tokens}_s": round(times[tokens], 4),
+            "decode_tokens_per_s": round((tokens - 1) / extra, 1) if extra > 1e-4 else None,
+            "wall_us_per_token_traced": round(traced_s / tokens * 1e6, 1),
+            "gpu_us_per_token": round(res["total_us"], 1), "kernels_per_token": round(len(events) / tokens, 1),
+            "by_category_us": res["by_category_us"], "top_kernels": res["top_kernels"][:25],
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="1b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--variants", default="default,unroll4,cmdbuf")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timeout-s", type=float, default=240)
+    a = p.parse_args(argv)
+    if a.child:
+        print("decode_profile: " + json.dumps(child(a.shape, a.tokens, a.child, a.layers)), flush=True)
+        return 0
+    out = os.environ.get("OUT", "/tmp")
+    recs = []
+    for v in a.variants.split(","):
+        env = dict(os.environ)
+        if v in FLAGS:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAGS[v]).strip()
+        cmd = [sys.executable, "-m", "benchmarks.profile.decode_profile", "--shape", a.shape, "--tokens",
+               str(a.tokens), "--child", v] + (["--layers", str(a.layers)] if a.layers else [])
+        try:
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout_s)
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("decode_profile: ")]
+            rec = json.loads(lines[-1][len("decode_profile: "):]) if lines else \
+                {"variant": v, "rc": r.returncode, "error": r.stderr[-1500:]}
+        except subprocess.TimeoutExpired:
+            rec = {"variant": v, "error": f"timed out after {a.timeout_s} s"}
+        recs.append(rec)
+        print(json.dumps({k: rec.get(k) for k in ("variant", "decode_tokens_per_s", "wall_us_per_token_traced",
+                                                  "gpu_us_per_token", "kernels_per_token", "compile_s",
+                                                  "by_category_us", "error")}), flush=True)
+        for row in rec.get("top_kernels", [])[:12]:
+            print(f"    {row['us_per_step']:8.1f} us x{row['launches_per_step']:5.1f}  {row['label'][:100]}")
+    with open(os.path.join(out, f"decode_profile_{a.shape}.json"), "w") as f:
+        json.dump(recs, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
