@@ -11,6 +11,8 @@
 #                                           # (GPU 1) | 70B fsdp=2 under 40 GB (GPUs 2,3)
 #   bash benchmarks/gpu_session.sh scale-b  # 4 GPUs: one-GPU baseline, 8B data=4 and data=2,fsdp=2,
 #                                           # 70B fsdp=4 at 2,048 and 16,384 tokens
+#   bash benchmarks/gpu_session.sh rerun    # 4 GPUs: decode hoisted vs scanned, offload memory check,
+#                                           # 70B fsdp=4 at 16,384 tokens
 #   bash benchmarks/gpu_session.sh product [1b|8b]  # the product path: `jqlora train`/`generate` with
 #                                                   # defaults, cold and warm cache, vs torch (<= 9.5 min)
 # Carry `.whl` (bitsandbytes wheel, see docs/benchmarks.md). Results land in $OUT.
@@ -53,11 +55,12 @@ case "${1:-tests}" in
     # decode profile 1B and 8B (GPU 0) | 8B long context (GPU 1) | 70B fsdp=2 under 40 GB (GPUs 2,3)
     tb="python3 -m benchmarks.train_bench --side jax --attention cudnn"
     (export CUDA_VISIBLE_DEVICES=0
-     timeout 250 python3 -m benchmarks.profile.decode_profile --shape 1b --variants default,unroll16,cmdbuf --timeout-s 120
-     timeout 300 python3 -m benchmarks.profile.decode_profile --shape 8b --variants default,unroll32,cmdbuf --timeout-s 140
+     timeout 250 python3 -m benchmarks.profile.decode_profile --shape 1b --variants hoisted,scanned --timeout-s 120
+     timeout 300 python3 -m benchmarks.profile.decode_profile --shape 8b --variants hoisted,scanned --timeout-s 140
      ) > "$OUT/decode.log" 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1
      for r in nothing_saveable offload_layer_inputs; do timeout 150 $tb --shape 8b --seq 65536 --steps 1 --remat $r; done
+     timeout 60 $tb --shape 8b --remat offload_layer_inputs --compile-only 65536
      timeout 240 $tb --shape 8b --remat auto --compile-only 65536,131072,262144,360448
      ) > "$OUT/long_context.jsonl" 2> "$OUT/long_context.log" &
     (export CUDA_VISIBLE_DEVICES=2,3
@@ -66,7 +69,20 @@ case "${1:-tests}" in
      echo "mem fraction $XLA_PYTHON_CLIENT_MEM_FRACTION of $total MiB" >&2
      timeout 540 $tb --shape 70b --remat auto --mesh fsdp=2 --steps 3
      ) > "$OUT/scale_2gpu.jsonl" 2> "$OUT/scale_2gpu.log" &
-    wait; tail -4 "$OUT"/*.log; cat "$OUT"/*.jsonl ;;
+    wait; tail -n 4 "$OUT"/*.log; cat "$OUT"/*.jsonl ;;
+  rerun)
+    # the decode fix (GPU 0) and the offload check (GPU 1) in parallel, then 70B fsdp=4 at 16,384
+    tb="python3 -m benchmarks.train_bench --side jax --attention cudnn"
+    (export CUDA_VISIBLE_DEVICES=0
+     timeout 150 python3 -m benchmarks.profile.decode_profile --shape 1b --variants hoisted,scanned --timeout-s 70
+     timeout 200 python3 -m benchmarks.profile.decode_profile --shape 8b --variants hoisted,scanned --timeout-s 95
+     ) > "$OUT/decode.log" 2>&1 &
+    (CUDA_VISIBLE_DEVICES=1 timeout 100 $tb --shape 8b --remat offload_layer_inputs --compile-only 65536
+     ) > "$OUT/long_context.jsonl" 2> "$OUT/long_context.log" &
+    wait
+    JAX_LOG_LEVEL=info timeout 230 $tb --shape 70b --remat auto --mesh fsdp=4 --steps 1 --seq 16384 \
+      >> "$OUT/scale_4gpu.jsonl" 2>> "$OUT/scale_4gpu.log"
+    grep -v "^WARNING" "$OUT/decode.log" | grep -v "^    "; cat "$OUT"/*.jsonl; grep "train_bench\|remat" "$OUT/scale_4gpu.log" ;;
   scale-b)
     # one-GPU baseline, then 8B data=4 and data=2,fsdp=2, 70B fsdp=4 at 2,048 and 16,384 tokens a row
     tb="python3 -m benchmarks.train_bench --side jax --attention cudnn --steps 5"
@@ -74,7 +90,7 @@ case "${1:-tests}" in
      timeout 100 $tb --shape 8b --remat auto --mesh data=4
      timeout 100 $tb --shape 8b --remat auto --mesh data=2,fsdp=2
      timeout 150 $tb --shape 70b --remat auto --mesh fsdp=4 --steps 3
-     timeout 140 $tb --shape 70b --remat auto --mesh fsdp=4 --steps 2 --seq 16384
+     timeout 140 $tb --shape 70b --remat auto --mesh fsdp=4 --steps 1 --seq 16384
      ) > "$OUT/scale_4gpu.jsonl" 2> "$OUT/scale_4gpu.log"
     grep -v "^  " "$OUT/scale_4gpu.log" | tail -12; cat "$OUT/scale_4gpu.jsonl" ;;
 esac

@@ -397,6 +397,10 @@ def main(argv=None):
                    help="jax side, one device: compile the step at each of these sequence lengths "
                         "(e.g. 131072,262144) and print XLA's memory analysis; nothing runs")
     a = p.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("jqlora.models").setLevel(logging.INFO)  # the remat plan "auto" chose, on stderr
     if a.compile_only:
         compile_only(a.shape, [int(x) for x in a.compile_only.split(",")], a.backend, a.attention,
                      False if a.remat == "none" else a.remat)

@@ -399,6 +399,18 @@ def per_device(fn: Callable, x, *whole):
                          check_vma=False)(x, *whole)
 
 
+def device_share() -> tuple[int, int]:
+    """(row shards, fsdp) of the active mesh: the batch is split into that many row shards and the
+    frozen weights into fsdp shards; (1, 1) without an active mesh. What one device holds, for
+    memory plans made while tracing (`remat="auto"`)."""
+    am = jax.sharding.get_abstract_mesh()
+    if am.empty or am.manual_axes:
+        return 1, 1
+    rows = int(np.prod([am.shape[a] for a in ROWS if a in am.axis_names]))
+    fsdp = int(am.shape["fsdp"]) if "fsdp" in am.axis_names else 1
+    return rows, fsdp
+
+
 def local_rows(rows: int) -> int:
     """Rows per device for a product of ``rows`` rows (what a kernel sees): ``rows`` without a mesh."""
     am = product_mesh(rows)

@@ -1,7 +1,7 @@
 """Where the time of one decoded token goes: `jqlora.models.generate` at batch 1, kernel by kernel.
 
     OUT=/tmp/out python -m benchmarks.profile.decode_profile --shape 1b [--tokens 256] \
-        [--variants default,unroll4,cmdbuf]
+        [--variants hoisted,scanned,cmdbuf]
 
 Each variant runs in its own process (XLA flags are read once per process) on a random-weight NF4
 model of `benchmarks.train_bench`'s shape without LoRA (what `jqlora generate` runs without an
@@ -10,9 +10,10 @@ its second call; decode tokens/s = (tokens - 1) / (time(tokens) - time(1)); then
 of `--tokens` tokens: GPU kernel time per token by category (`train_profile.categorize`) against
 the wall time per token (the gap is time the GPU waits for the host: launches, loop predicates).
 
-Variants: default (the library's settings); unrollN (N decoder layers per scan iteration while
-decoding: `CausalLM.decode_unroll`); cmdbuf (XLA command buffers, i.e. CUDA graphs, for while
-loops and conditionals too: `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
+Variants: default (the library's settings: `decode_layers="auto"`); hoisted / scanned (the layers
+sliced once before the decode loop, or by a scan on every token: `generate(decode_layers=...)`);
+cmdbuf (the defaults with XLA command buffers, i.e. CUDA graphs, for while loops and conditionals
+too: `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
 Writes $OUT/decode_profile_<shape>.json (one record per variant) and prints a table.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ FLAGS = {"cmdbuf": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
 PROMPT_LEN = 16
 
 
-def child(shape: str, tokens: int, variant: str, layers: int | None) -> dict:
+def child(shape: str, tokens: int, variant: str, n_layers: int | None) -> dict:
     import jax
     import numpy as np
 
@@ -41,34 +42,34 @@ def child(shape: str, tokens: int, variant: str, layers: int | None) -> dict:
     from jqlora import models
 
     t0 = time.perf_counter()
-    model, _, _ = build_jax(shape, 2048, "auto", "cudnn", layers=layers, remat=False, lora=False)
-    if variant.startswith("unroll"):
-        model.decode_unroll = int(variant[len("unroll"):])
-    build_s = time.perf_counter() - t0
     ids = np.asarray([[5 + (7 * i) % 26 for i in range(PROMPT_LEN)]], np.int32)
+    model, _, _ = build_jax(shape, 2048, "auto", "cudnn", layers=n_layers, remat=False, lora=False)
+    layers = variant if variant in ("hoisted", "scanned") else "auto"
+    gen = lambda n: models.generate(model, ids, n, decode_layers=layers)  # noqa: E731
+    build_s = time.perf_counter() - t0
     times, compile_s = {}, {}
     for n in (1, tokens):
         t = time.perf_counter()
-        np.asarray(models.generate(model, ids, n))
+        np.asarray(gen(n))
         compile_s[n] = time.perf_counter() - t
         runs = []
         for _ in range(3):
             t = time.perf_counter()
-            np.asarray(models.generate(model, ids, n))
+            np.asarray(gen(n))
             runs.append(time.perf_counter() - t)
         times[n] = statistics.median(runs)
     extra = times[tokens] - times[1]
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             t = time.perf_counter()
-            np.asarray(models.generate(model, ids, tokens))
+            np.asarray(gen(tokens))
             traced_s = time.perf_counter() - t
         paths = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
         with gzip.open(paths[0]) as f:
             trace = json.load(f)
     events = kernel_events(trace)
     res = summarize(events, hlo_lines(""), tokens, lora_rank=16)
-    return {"shape": shape, "layers": layers, "variant": variant, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    return {"shape": shape, "layers": n_layers, "variant": variant, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "tokens": tokens, "build_s": round(build_s, 1), "compile_s": {str(k): round(v, 2) for k, v in compile_s.items()},
             "one_token_s": round(times[1], 4), f"tokens_{tokens}_s": round(times[tokens], 4),
             "decode_tokens_per_s": round((tokens - 1) / extra, 1) if extra > 1e-4 else None,
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="1b")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--variants", default="default,unroll4,cmdbuf")
+    p.add_argument("--variants", default="hoisted,scanned,cmdbuf")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, default=240)
     a = p.parse_args(argv)

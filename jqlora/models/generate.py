@@ -2,7 +2,16 @@
 and a `lax.while_loop` of single-token decode steps (it stops early once every row has emitted
 EOS). The cache lives inside that program (a loop carry, updated in place), and the number of new
 tokens is a traced bound: every `max_new_tokens` up to the same multiple of `TOKEN_BUCKET` runs the
-same compiled program, so generating N tokens compiles one program whatever N is."""
+same compiled program, so generating N tokens compiles one program whatever N is.
+
+Decode layers: the decoder layers are stored stacked (one array per weight kind). A scan over
+them slices each layer's weights out of the stacks, and a kernel takes whole arrays, so XLA copies
+every layer's weights on every token: about half of the decode time measured on an H200
+(benchmarks/results/JOURNAL.md, 2026-11-27). With `decode_layers="hoisted"` the layers are sliced
+once, before the decode loop, and run one after another inside it: no copy per token, at the
+price of a second copy of the layer weights while generating and a longer compilation (the
+layers are unrolled). "auto" hoists when two copies of the weights and the KV cache fit in 90% of
+the device's memory; on a CPU (no memory limit reported, cheap copies) it scans."""
 from __future__ import annotations
 
 import functools
@@ -13,10 +22,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jqlora.models.cache import KVCache
+from jqlora.models.remat import device_memory
 
 # The output buffer and KV cache are sized to max_new_tokens rounded up to this; a request for N
 # tokens compiles only when its bucket (or the prompt shape) is new.
 TOKEN_BUCKET = 64
+DECODE_LAYERS = ("auto", "hoisted", "scanned")
 
 
 def sample_token(logits: jax.Array, key: Optional[jax.Array], temperature: float = 0.0, top_p: float = 1.0) -> jax.Array:
@@ -57,9 +68,29 @@ def token_bucket(max_new_tokens: int) -> int:
     return -(-int(max_new_tokens) // TOKEN_BUCKET) * TOKEN_BUCKET
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "greedy", "use_top_p", "return_logits"))
+def _state_bytes(state) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state) if hasattr(a, "dtype")
+                   and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)))
+
+
+def hoist_layers(model, batch: int, max_len: int, decode_layers: str = "auto") -> bool:
+    """Whether generation slices the layers once before its decode loop (module docstring)."""
+    if decode_layers not in DECODE_LAYERS:
+        raise ValueError(f"decode_layers must be one of {DECODE_LAYERS}, got {decode_layers!r}")
+    if decode_layers != "auto":
+        return decode_layers == "hoisted"
+    limit = device_memory()
+    if limit is None:
+        return False
+    c = model.config
+    cache = 2 * c.num_hidden_layers * batch * max_len * c.num_key_value_heads * c.head_dim * model.compute_dtype.itemsize
+    layers = _state_bytes(nnx.state(model.model.layers))
+    return _state_bytes(nnx.state(model)) + layers + cache <= 0.9 * limit
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "greedy", "use_top_p", "return_logits", "hoist"))
 def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p, max_new_tokens, *, bucket, greedy,
-              use_top_p, return_logits):
+              use_top_p, return_logits, hoist):
     def load():
         # A fresh traced copy per trace level (prefill, loop body): NNX forbids touching Variables
         # created at another trace level. eval(): no dropout; remat is pointless without backward.
@@ -98,9 +129,12 @@ def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p
         i, _, _, _, done, _, _ = carry
         return (i < max_new_tokens) & ~jnp.all(done)
 
+    # Sliced here, outside the loop: loop invariants, not a copy of every layer per token.
+    layer_states = [stack.layer_states() for stack in model.model.layers.stacks] if hoist else None
+
     def body(carry):
         i, tok, pos, cache, done, out, scores = carry
-        step_logits, cache = load()(tok[:, None], positions=pos[:, None], cache=cache)
+        step_logits, cache = load()(tok[:, None], positions=pos[:, None], cache=cache, layer_states=layer_states)
         step_logits = step_logits[:, 0].astype(jnp.float32)
         new = pick(step_logits, i)
         new = jnp.where(done, pad, new)
@@ -119,7 +153,7 @@ def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p
 
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
              rng: Optional[jax.Array] = None, eos_token_id: Union[int, Sequence[int], None] = None,
-             attention_mask=None, return_logits: bool = False):
+             attention_mask=None, return_logits: bool = False, decode_layers: str = "auto"):
     """Generate `max_new_tokens` tokens after `prompt_ids` (B, T).
 
     temperature=0.0 is greedy (argmax); otherwise top-p (nucleus) sampling with `rng` (a
@@ -128,7 +162,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     After a row emits eos_token_id (int or list), its remaining tokens are eos_token_id[0].
     Returns (B, T + max_new_tokens) int32 token ids (prompt + generated); with return_logits=True
     also the float32 logits (B, max_new_tokens, V) each new token was chosen from (zeros after
-    every row stopped). The model runs in eval mode (no LoRA dropout).
+    every row stopped). The model runs in eval mode (no LoRA dropout). decode_layers: "auto",
+    "hoisted" or "scanned" (module docstring).
     """
     prompt = jnp.asarray(prompt_ids, jnp.int32)
     if prompt.ndim != 2:
@@ -150,7 +185,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         eos if eos is not None else jnp.full((1,), -1, jnp.int32),
         jnp.float32(temperature), jnp.float32(top_p), jnp.int32(max_new_tokens),
         bucket=token_bucket(max_new_tokens), greedy=greedy, use_top_p=top_p < 1.0,
-        return_logits=bool(return_logits))
+        return_logits=bool(return_logits),
+        hoist=hoist_layers(model, prompt.shape[0], prompt.shape[1] + token_bucket(max_new_tokens), decode_layers))
     n = int(max_new_tokens)
     out, scores = out[:, :n], scores[:, :n]
     seqs = jnp.concatenate([prompt, out], axis=1)

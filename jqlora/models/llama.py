@@ -22,6 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jqlora import ops as _ops
+from jqlora import parallel
 from jqlora import quant
 from jqlora.lora.apply import apply_lora
 from jqlora.lora.config import LoraConfig
@@ -255,10 +256,19 @@ class DecoderStack(LayerStack):
     forward is one `lax.scan` over them, so the compiled program holds one layer's code whatever
     the depth."""
 
-    def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool, unroll: int = 1):
+    def layer_states(self) -> list:
+        """Each layer's (RNG state, other state), sliced out of the stacks: what `__call__(layers=...)`
+        runs. Sliced once outside a decode loop, the slices are that loop's invariants; sliced by
+        the scan inside it, every token would copy every layer's weights again (a kernel takes a
+        whole array, not a slice of one)."""
+        _, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
+        return [jax.tree.map(lambda a, j=j: a[j], (rng_state, rest)) for j in range(self.size)]
+
+    def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool, layers=None):
         """-> (x, cache, each layer's output stacked (size, B, T, H) or None without `collect`).
         cache: None or (k, v) of shape (num_layers, B, S, kvh, d); layer start + j uses row start + j.
-        unroll: layers per scan iteration (`lax.scan`'s unroll)."""
+        layers: `layer_states()` taken earlier: the layers then run one after another in Python
+        (no scan, no slicing here)."""
         graphdef, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
 
         mlp_chunk = mlp_chunk_for(policy, x.shape[1])
@@ -273,6 +283,14 @@ class DecoderStack(LayerStack):
         if policy is not None:  # remat per layer: the scan body is the checkpointed function
             one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
 
+        if layers is not None:
+            if collect or len(layers) != self.size:
+                raise ValueError(f"layers: expected {self.size} layer states and no collected outputs")
+            for j, (rng_j, rest_j) in enumerate(layers):
+                kv = None if cache is None else (*cache, jnp.int32(self.start + j))
+                x, cache, _ = one_layer(x, rng_j, rest_j, kv)
+            return x, cache, None
+
         def body(carry, xs):
             x, kv_all = carry
             rng_j, rest_j, layer_id = xs
@@ -281,8 +299,7 @@ class DecoderStack(LayerStack):
             return (x, new_kv), (rng_j, x if collect else None)
 
         ids = self.start + jnp.arange(self.size, dtype=jnp.int32)
-        (x, cache), (new_rng, ys) = jax.lax.scan(body, (x, cache), (rng_state, rest, ids),
-                                                 unroll=max(1, min(int(unroll), self.size)))
+        (x, cache), (new_rng, ys) = jax.lax.scan(body, (x, cache), (rng_state, rest, ids))
         if any(isinstance(n, nnx.Dropout) and n.rate > 0 and not n.deterministic
                for _, n in nnx.iter_graph(self.layer)):
             nnx.update(self.layer, new_rng)  # active dropout advanced its RNG counts, per layer
@@ -336,9 +353,6 @@ class CausalLM(nnx.Module):
         if remat:
             resolve_remat(remat)  # validate early
         self.backend = backend
-        # Layers per scan iteration when decoding with a KV cache (1: a rolled loop). A static
-        # setting: generation programs that differ in it compile separately.
-        self.decode_unroll = 1
         self.model = LlamaModel(config, src)
         if config.tie_word_embeddings:
             self.lm_head = nnx.data(None)
@@ -355,12 +369,14 @@ class CausalLM(nnx.Module):
         return self.lm_head(h)
 
     def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None,
-                 return_states: bool = False, return_hidden: bool = False, segment_runs=None):
+                 return_states: bool = False, return_hidden: bool = False, segment_runs=None, layer_states=None):
         """See the class docstring. return_hidden=True returns the final normed hidden states
         (B, T, hidden) instead of logits, so a loss can apply `lm_logits` chunk by chunk and never
         hold the (B, T, vocab) logits at once. segment_runs = `packed_attention.segment_runs(
         segment_ids, M)`: with attention="cudnn", packed rows then run cuDNN's packed layout
-        instead of a (T, T) mask (other attention paths ignore it)."""
+        instead of a (T, T) mask (other attention paths ignore it). layer_states: one
+        `DecoderStack.layer_states()` list per stack, sliced beforehand (generation slices them
+        once, outside its decode loop)."""
         cfg, dtype = self.config, self.compute_dtype
         if (return_states or return_hidden) and cache is not None:
             raise ValueError("return_states / return_hidden are for full-sequence forwards, not cached decoding")
@@ -399,9 +415,9 @@ class CausalLM(nnx.Module):
         policy = self._remat_policy(b, t) if cache is None else None
         kv = None if cache is None else (cache.k, cache.v)
         collected = []
-        for stack in self.model.layers.stacks:
+        for i, stack in enumerate(self.model.layers.stacks):
             x, kv, ys = stack(x, aux, kv, index=index, impl=impl, plain_causal=plain_causal, policy=policy,
-                              collect=return_states, unroll=1 if cache is None else self.decode_unroll)
+                              collect=return_states, layers=None if layer_states is None else layer_states[i])
             if return_states:
                 collected.extend(ys[j] for j in range(stack.size))
         x = self.model.norm(x)
@@ -419,7 +435,10 @@ class CausalLM(nnx.Module):
         if not self.remat:
             return None
         if isinstance(self.remat, str) and self.remat == "auto":
-            plan = remat_plan(self.config, batch, seq_len, param_bytes=_state_bytes(self),
+            # Under a mesh the traced shapes are global: plan for one device's rows and weight shards.
+            row_shards, fsdp = parallel.device_share()
+            batch = -(-batch // row_shards)
+            plan = remat_plan(self.config, batch, seq_len, param_bytes=_state_bytes(self) // fsdp,
                               compute_dtype=self.compute_dtype, attention=self.attention,
                               lora_rank=_lora_rank(self))
             plan.log()
@@ -447,7 +466,11 @@ class _Source:
 
     params: quantized linear layers by MODULE name ("model.layers.0.self_attn.q_proj") as
     Weight4bit / Int8Weight; everything else by full key ("model.norm.weight", "<module>.weight"
-    for a dense linear, "<module>.bias")."""
+    for a dense linear, "<module>.bias").
+
+    `quantize` applies only to params with no quantized weight at all: in a quantized checkpoint
+    a dense linear is dense on purpose (bitsandbytes' llm_int8_skip_modules, e.g. unsloth's
+    dynamic 4-bit), and transformers keeps it dense too."""
 
     def __init__(self, params: Mapping[str, Any], *, quantize=None, compute_dtype=None, backend="auto",
                  param_dtype=None, blocksize: int = 64, double_quant: bool = True, int8_numerics="weight_only",
@@ -455,7 +478,8 @@ class _Source:
         if quantize not in (None, "nf4", "fp4", "int8"):
             raise ValueError(f"quantize must be None, 'nf4', 'fp4' or 'int8', got {quantize!r}")
         self.params = params
-        self.quantize = quantize
+        self.quantize = None if any(isinstance(v, (quant.Weight4bit, quant.Int8Weight))
+                                    for v in params.values()) else quantize
         self.compute_dtype = compute_dtype
         self.backend = backend
         self.param_dtype = None if param_dtype is None else jnp.dtype(param_dtype)
