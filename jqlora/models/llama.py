@@ -286,9 +286,12 @@ class DecoderStack(LayerStack):
         if layers is not None:
             if collect or len(layers) != self.size:
                 raise ValueError(f"layers: expected {self.size} layer states and no collected outputs")
+            # One traced and lowered function called once per layer: lowering its kernels once,
+            # not once per layer (each Mosaic GPU kernel takes a while to lower).
+            call = jax.jit(one_layer)
             for j, (rng_j, rest_j) in enumerate(layers):
                 kv = None if cache is None else (*cache, jnp.int32(self.start + j))
-                x, cache, _ = one_layer(x, rng_j, rest_j, kv)
+                x, cache, _ = call(x, rng_j, rest_j, kv)
             return x, cache, None
 
         def body(carry, xs):
