@@ -1,5 +1,6 @@
-"""Pieces both directions of the bitsandbytes checkpoint code share: config.json reading and
-the (out, in) shapes a Llama-family config implies for its linear layers.
+"""Pieces both directions of the bitsandbytes checkpoint code share: config.json reading, the
+(out, in) shapes a Llama-family config implies for its linear layers, and which modules
+``llm_int8_skip_modules`` leaves unquantized.
 
 Exists so that interop.bnb_load and interop.bnb_save do not import each other, and so that
 code which only needs the config or the expected shapes does not pull in the loader.
@@ -73,3 +74,38 @@ def expected_linear_shape(config: dict, module: str):
         "down": (hidden, inter) if inter else None,
     }
     return shapes[attn or mlp]
+
+
+DEFAULT_SKIP_MODULES = ("lm_head",)  # transformers' default for a causal LM (its output embedding)
+
+
+def skip_patterns(config_path, quantization_config: dict) -> tuple[str, ...]:
+    """The module patterns bitsandbytes leaves dense: ``llm_int8_skip_modules``, or transformers'
+    default (lm_head) when it is unset. A given list replaces the default, so a list without
+    "lm_head" quantizes lm_head. CheckpointError (naming `config_path`) if it is not a list of
+    strings."""
+    skip = quantization_config.get("llm_int8_skip_modules")
+    if skip is None:
+        return DEFAULT_SKIP_MODULES
+    if not isinstance(skip, list) or not all(isinstance(p, str) and p for p in skip):
+        raise CheckpointError(f"{config_path}: quantization_config.llm_int8_skip_modules is {skip!r}, expected a "
+                              "list of module names")
+    return tuple(skip)
+
+
+def is_skipped(module: str, patterns) -> bool:
+    """True if bitsandbytes leaves `module` dense under `patterns`. transformers' rule
+    (quantizers_utils.should_convert_module): a pattern matches the name from its start up to a
+    module boundary, as a regex ("model.layers.1.mlp" covers "model.layers.1.mlp.down_proj", not
+    "model.layers.11.mlp..."), or the name ends with it ("o_proj" covers every layer's o_proj)."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    for p in patterns:
+        if module.endswith(p):
+            return True
+        try:
+            if re.match(rf"(?:{p}){boundary}", module):
+                return True
+        except re.error:
+            if module == p or module.startswith(p + "."):
+                return True
+    return False

@@ -31,6 +31,14 @@ stored dtype; 8-bit: float32), transposes it to (out, in) and returns it as a *d
 and is taken as (out, in), as bitsandbytes does. A recorded shape that is neither is always an
 error.
 
+Mixed checkpoints (unsloth's dynamic 4-bit): ``llm_int8_skip_modules`` in quantization_config
+lists linear layers left unquantized (all of them, or e.g. one layer's ``mlp.down_proj``); they
+are stored as plain ``m.weight`` and load as dense arrays. Each linear is loaded as it is
+stored. For Llama-family configs, a linear stored dense that the list does not cover, or stored
+quantized that it does cover, gets a warning naming the modules: transformers cannot load such a
+folder (it builds the layer from the list, not from the tensors), so a cross-check against it
+fails. The list must be a list of strings (CheckpointError otherwise).
+
 Validation: every malformed, missing or inconsistent piece raises :class:`CheckpointError`
 (a ValueError) naming the file and the tensor or key.
 
@@ -54,7 +62,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from interop.bnb_common import CONFIG_FILE, _is_int, _is_num, expected_linear_shape, read_config
+from interop.bnb_common import (CONFIG_FILE, _is_int, _is_num, expected_linear_shape, is_skipped, read_config,
+                                skip_patterns)
 from interop.errors import CheckpointError
 from interop.safetensors_io import open_checkpoint
 from jqlora.quant import Int8Weight, Weight4bit, dequantize
@@ -112,6 +121,7 @@ def _quant_config(config: dict, path: Path, example_key: str, kinds: set[str]) -
     thr = qc.get("llm_int8_threshold", 6.0)
     if not _is_num(thr):
         raise CheckpointError(f"{cfg_path}: quantization_config.llm_int8_threshold is {thr!r}, expected a number")
+    skip_patterns(cfg_path, qc)  # a malformed list fails here, before any tensor is read
     return qc
 
 
@@ -132,6 +142,28 @@ def _check_shape(ctx, config, module, key, recorded, transposed) -> bool:
                             "weight, or load with transposed='dequantize' to get it as a dense weight.")
     raise ctx.fail(key, f"recorded shape {list(recorded)} does not match the expected (out, in) shape "
                         f"{list(expected)} for {module!r} (from config.json), nor its transpose")
+
+
+def _check_skip_list(path: Path, config: dict, qc: dict, quantized, dense) -> None:
+    """Warn where llm_int8_skip_modules disagrees with how the linear layers are stored (module
+    docstring). `quantized`, `dense`: module names of the linears stored each way."""
+    patterns = skip_patterns(path / CONFIG_FILE, qc)
+    unlisted = sorted(m for m in dense if expected_linear_shape(config, m) and not is_skipped(m, patterns))
+    listed = sorted(m for m in quantized if expected_linear_shape(config, m) and is_skipped(m, patterns))
+    where = f"{path / CONFIG_FILE}: quantization_config.llm_int8_skip_modules {list(patterns)}"
+    if unlisted:
+        warnings.warn(f"{where} does not cover {len(unlisted)} linear layer(s) stored unquantized: "
+                      f"{_some(unlisted)}. jqlora uses them dense, as stored; transformers would make them "
+                      "bitsandbytes layers and cannot load this folder. List them in llm_int8_skip_modules.",
+                      stacklevel=3)
+    if listed:
+        warnings.warn(f"{where} covers {len(listed)} linear layer(s) stored quantized: {_some(listed)}. jqlora "
+                      "uses them quantized, as stored; transformers would make them plain linear layers and "
+                      "cannot load this folder. Remove them from llm_int8_skip_modules.", stacklevel=3)
+
+
+def _some(names, n: int = 6) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # ------------------------------------------------------------------------------------------
@@ -457,4 +489,8 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
             params[key] = put(ckpt.get(key, copy=True))
             checks.add(key, params[key], scale=False, what="unquantized tensor")
         checks.raise_first()
+        if fourbit or int8:
+            dense = [k[: -len(".weight")] for k in keys if k not in claimed and k.endswith(".weight")
+                     and len(ckpt.info(k).shape) == 2]
+            _check_skip_list(path, config, qc, set(fourbit) | set(int8), dense)
     return params, config

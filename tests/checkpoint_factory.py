@@ -79,6 +79,7 @@ def build_llama_checkpoint(
     seed: int = 0,
     quant_storage: torch.dtype = torch.uint8,
     compute_dtype: torch.dtype = torch.float32,
+    skip_modules: list[str] | None = None,
 ) -> Path:
     """Write a tiny random Llama checkpoint to `directory` (created) and return it.
 
@@ -86,6 +87,10 @@ def build_llama_checkpoint(
     (LLM.int8, threshold 6.0), or None (plain checkpoint in `dtype`). dtype: the model dtype
     (becomes the 4-bit quant_state "dtype"). shard_size: passed to save_pretrained as
     max_shard_size (e.g. 20_000 bytes gives several shards); None = one file.
+    skip_modules: bitsandbytes' ``llm_int8_skip_modules`` (module names or suffixes, matched as
+    transformers does): those linears stay dense in `dtype` next to the quantized ones, as in
+    unsloth's dynamic 4-bit checkpoints. It replaces transformers' default (``["lm_head"]``), so
+    list "lm_head" to keep it dense.
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaForCausalLM
 
@@ -106,9 +111,10 @@ def build_llama_checkpoint(
             bnb_4bit_use_double_quant=double_quant,
             bnb_4bit_compute_dtype=compute_dtype,
             bnb_4bit_quant_storage=quant_storage,
+            llm_int8_skip_modules=skip_modules,
         )
     elif quant == "int8":
-        bnb_config = BitsAndBytesConfig(load_in_8bit=True)
+        bnb_config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip_modules)
     else:
         raise ValueError(f"quant must be 'nf4', 'fp4', 'int8' or None, got {quant!r}")
     with tempfile.TemporaryDirectory() as plain:
