@@ -125,3 +125,64 @@ def test_bf16_verdict_is_relative_to_torch_own_error(bf16_nf4, capsys):
     ratio = 0.5 * rep["logits"]["rel"] / rep["torch_lowp_rel"]
     rc = main(["crosscheck", str(bf16_nf4), "--tokens", "8", "--dtype", "bfloat16", "--bf16-ratio", str(ratio)])
     assert rc == 2 and "FAIL" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ LLM.int8 products
+def test_product_comparison_allows_one_ulp_and_float32_summation_order():
+    import ml_dtypes
+
+    from jqlora.crosscheck_products import compare_product
+
+    ref = np.array([1.0, -3.0, 0.5, 200.0], ml_dtypes.bfloat16)
+    bits = ref.view(np.uint16)
+    one_ulp = (bits + np.uint16(1)).view(ml_dtypes.bfloat16)  # one ulp away from zero, each element
+    two_ulp = (bits + np.array([0, 0, 2, 0], np.uint16)).view(ml_dtypes.bfloat16)
+    assert compare_product("p", one_ulp, ref, ref.dtype).ok
+    c = compare_product("p", two_ulp, ref, ref.dtype)
+    assert not c.ok and c.beyond == 1 and c.shape == (4,)
+    # float32: a small output may be off by 1e-5 of the largest (outlier product's summation order)
+    ref32 = np.array([1000.0, 1e-3], np.float32)
+    assert compare_product("p", ref32 + np.float32([0, 5e-3]), ref32, ref32.dtype).ok
+    assert not compare_product("p", ref32 + np.float32([0, 2e-2]), ref32, ref32.dtype).ok
+
+
+@pytest.fixture(scope="module")
+def int8_ckpt(tmp_path_factory):
+    return cf.build_llama_checkpoint(tmp_path_factory.mktemp("int8"), quant="int8")
+
+
+def _plant_int8_scale(monkeypatch, scale):
+    """Make every int8 scale of jqlora's LLM.int8 product `scale` x too large (the weights stay right)."""
+    import pallas_kernels.triton.matmul_llm_int8 as llm_int8
+
+    right = llm_int8.llm_int8_matmul_reference
+    monkeypatch.setattr(llm_int8, "llm_int8_matmul_reference",
+                        lambda x, cb, scb, **kw: right(x, cb, scb * scale, **kw))
+
+
+def test_llm_int8_bf16_products_agree_and_a_wrong_int8_scale_fails(int8_ckpt, monkeypatch):
+    """jqlora's LLM.int8 products equal bitsandbytes' on the inputs torch's bf16 run gave them;
+    int8 scales 1% too large fail the check, naming the products (end to end, bf16 LLM.int8
+    cannot see 1%: see jqlora.crosscheck_products)."""
+    res = crosscheck(int8_ckpt, tokens=8, dtype="bfloat16")
+    assert res.passed, res.format()
+    assert len(res.products) == 14 and not res.product_problems
+    assert set(res.runs) == {"torch_lowp", "llm_int8", "own"} and res.verdict_numerics == "llm_int8"
+    assert res.reference == res.references["torch_lowp"] == "torch float32 LLM.int8"
+    assert "x torch's own bfloat16 LLM.int8 error" in res.rule
+
+    _plant_int8_scale(monkeypatch, 1.01)
+    bad = crosscheck(int8_ckpt, tokens=8, dtype="bfloat16")
+    assert not bad.passed and len(bad.product_problems) == 14
+    assert not bad.jqlora_weight_problems  # the weights are right: the product is wrong
+    assert "jqlora problem: model.layers.0.self_attn.q_proj product (2, 8, 64): " in bad.format()
+    assert "LLM.int8 products: 14 of 14 differ from bitsandbytes" in bad.rule
+
+
+def test_llm_int8_float32_products_catch_a_tenth_of_a_percent(int8_ckpt, monkeypatch):
+    """float32: the products come from the float32 reference run and resolve 1e-3 (the verdict's
+    logits are the weight-only run's, which the planted error does not touch)."""
+    _plant_int8_scale(monkeypatch, 1.001)
+    bad = crosscheck(int8_ckpt, tokens=8)
+    assert bad.verdict_numerics == "own" and bad.logits.rel < 1e-5
+    assert not bad.passed and len(bad.product_problems) == 14

@@ -96,17 +96,30 @@ def test_peft_applies_the_exported_adapter_with_the_same_logits(trained, smollm2
 
 @pytest.mark.parametrize("fmt, dtype", [
     # float32 on NF4 runs in the PEFT test above (same check, with the adapter)
-    pytest.param("nf4", "float32", marks=pytest.mark.slow), ("nf4", "bfloat16"), ("int8", "float32")])
+    pytest.param("nf4", "float32", marks=pytest.mark.slow), ("nf4", "bfloat16"), ("int8", "float32"),
+    ("int8", "bfloat16")])
 def test_crosscheck_cli(smollm2, capsys, fmt, dtype):
-    """`jqlora crosscheck` passes on the real checkpoints: float32 at the float32 floor of this model,
-    bf16 and LLM.int8 against torch's own low-precision error."""
+    """`jqlora crosscheck` passes on the real checkpoints: float32 at the float32 floor of this model
+    (8-bit: the weight-only run), bf16 against torch's own bf16 error with the same numerics
+    (8-bit: LLM.int8 against torch float32 LLM.int8), and every LLM.int8 product of jqlora equal to
+    bitsandbytes' to one ulp on the inputs torch gave it."""
     rc, out, _ = run_cli(capsys, "crosscheck", getattr(smollm2, fmt), "--tokens", "8", "--batch", "1",
                          "--dtype", dtype, "--json")
     rep = json.loads(out)
     assert rc == 0, out
     assert rep["weights"]["checked"] == 210 and not rep["weights"]["bnb_problems"]
     assert rep["weights"]["worst_jqlora_rel"] < 1e-6
-    if fmt == "nf4" and dtype == "float32":
+    if dtype == "float32":
+        assert rep["verdict_numerics"] == "own" and rep["reference"] == "torch float32"
         assert rep["logits"]["rel"] < 5e-5 and rep["tolerance"] == 1e-3
     else:
         assert rep["torch_lowp_rel"] > 0 and rep["logits"]["rel"] <= 2 * rep["torch_lowp_rel"]
+    if fmt == "int8":
+        assert set(rep["runs"]) >= {"llm_int8", "own"} and "stored" not in rep["runs"]
+        assert rep["references"]["llm_int8"] == "torch float32 LLM.int8"
+        assert rep["products"]["checked"] == 210 and not rep["products"]["problems"]
+        if dtype == "bfloat16":  # like with like: LLM.int8 on both sides, torch's own error as the bar
+            assert rep["verdict_numerics"] == "llm_int8" and rep["reference"] == "torch float32 LLM.int8"
+            assert "x torch's own bfloat16 LLM.int8 error" in rep["rule"]
+    else:
+        assert rep["products"]["checked"] == 0

@@ -17,18 +17,29 @@ as a bitsandbytes problem (tensor and shape; the torch reference then uses the i
 a jqlora weight that disagrees fails the check.
 
 Stage 2, layers: for the embeddings, every decoder layer's output, the final norm and the logits,
-max absolute error and relative error (max abs error / max |torch float32 value|), for jqlora with
-two numerics: "torch numerics" (4-bit weights rounded to the checkpoint's stored dtype, then the
-compute dtype: what bitsandbytes computes) and its own (dequantized straight into the compute dtype).
+max absolute error and relative error (max abs error / max |torch float32 value|), each jqlora run
+against torch float32 with the same numerics: "own" (jqlora's production numerics: 4-bit weights
+dequantized into the compute dtype, 8-bit weight-only), "stored-rounded" (4-bit checkpoints: each
+weight rounded to its stored dtype first, as older bitsandbytes forwards do) and, for 8-bit
+checkpoints, "LLM.int8" (bitsandbytes' inference numerics, int8 activations + 16-bit outliers,
+against torch float32 LLM.int8).
 
-Verdict (exit status 0 PASS, 2 FAIL): float32: the torch-numerics logits' relative error <=
---tolerance (default 1e-3; 1e-2 for LLM.int8 checkpoints, whose activations are quantized on both
-sides). bfloat16: torch runs in float32 and bfloat16; PASS when jqlora's bfloat16 logits error (its
-own numerics, vs torch float32) is at most --bf16-ratio (2) times torch's own bfloat16 error; an
-explicit --tolerance bounds that error instead. The torch side uses bitsandbytes' reference path
-(exact dequantize + linear); --bnb-cpu-kernel keeps its eval-mode CPU kernel, which rounds to bf16
-internally on AVX512-BF16 CPUs (expect ~1e-2). --perturb X deliberately scales layer 0's input
-norm of the JAX model by (1 + X): a self-test showing that the check fails and where.
+Stage 3, LLM.int8 products (8-bit checkpoints): every 8-bit linear recomputed by jqlora on the
+inputs torch's run in --dtype gave it must equal bitsandbytes' output to one ulp. End to end,
+int8 activation codes that fall differently after tiny upstream differences make LLM.int8 runs
+differ by whole int8 steps, so the products are where a wrong LLM.int8 computation shows.
+
+Verdict (exit status 0 PASS, 2 FAIL): float32: the verdict run's logits relative error <=
+--tolerance (default 1e-3; the verdict run is the one this bitsandbytes computes, weight-only for
+8-bit checkpoints) and every LLM.int8 product agrees. bfloat16: torch runs in float32 and
+bfloat16 with the same numerics (LLM.int8 for 8-bit checkpoints); PASS when jqlora's bfloat16
+logits error (vs torch float32) is at most --bf16-ratio (2) times torch's own bfloat16 error and
+every LLM.int8 product agrees; an explicit --tolerance bounds that error instead. The torch side
+uses bitsandbytes' reference path (exact dequantize + linear); --bnb-cpu-kernel keeps its
+eval-mode 4-bit CPU kernel, which rounds to bf16 internally on AVX512-BF16 CPUs (expect ~1e-2).
+--int8-numerics weight_only leaves the LLM.int8 run and products out. --perturb X deliberately
+scales layer 0's input norm of the JAX model by (1 + X): a self-test showing that the check fails
+and where.
 See docs/numerics.md ("Cross-checking against torch") and jqlora/crosscheck.py."""
 
 
@@ -44,7 +55,8 @@ def add_arguments(p):
     p.add_argument("--bf16-ratio", type=float, default=2.0,
                    help="bfloat16 verdict: jqlora's error may be this many times torch's own (default 2)")
     p.add_argument("--int8-numerics", choices=("llm_int8", "weight_only"), default="llm_int8",
-                   help="for 8-bit checkpoints: bitsandbytes inference numerics or the weight-only path")
+                   help="8-bit checkpoints: also compare bitsandbytes' LLM.int8 inference numerics and products "
+                        "(llm_int8, the default), or the weight-only path only")
     p.add_argument("--bnb-cpu-kernel", action="store_true",
                    help="torch side: keep bitsandbytes' eval-mode fused CPU 4-bit kernel")
     p.add_argument("--perturb", type=float, default=0.0, help="self-test: perturb the JAX model (see above)")
