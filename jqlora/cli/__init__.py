@@ -8,6 +8,7 @@ so `jqlora --help` and `jqlora <command> --help` answer without them):
   generate        text generation with an optional PEFT adapter
   export-peft     a training checkpoint -> a PEFT adapter directory
   import-peft     check a PEFT adapter against a model (modules matched, shapes, effect on logits)
+  export-merged   a training run or PEFT adapter merged into its base model: a bf16/float32 or NF4 folder
   crosscheck      JAX vs transformers+bitsandbytes(+PEFT) in torch: per-layer and logits errors
   explain-kernel  which kernel variants a quantized product runs (forward, backward), and why
   bench           the GPU benchmark (benchmarks/run.py); GPU only, from a checkout of the repository
@@ -40,6 +41,7 @@ COMMANDS = {
     "generate": "generate_cmd",
     "export-peft": "peft_cmd:export",
     "import-peft": "peft_cmd:import_",
+    "export-merged": "merge_cmd",
     "crosscheck": "crosscheck_cmd",
     "explain-kernel": "explain_cmd",
     "bench": "bench_cmd",
