@@ -40,14 +40,21 @@ a `lora` table (rank, alpha, dropout, target_modules, use_rslora) and the TrainC
 
 Every TrainConfig field also has a flag (--seq-len, --batch-size, --lr, ...; `none` sets an
 optional one to None). The tokenizer defaults to the model directory's tokenizer.json.
-Outputs in out_dir: loss.csv, loss.png, checkpoints/step_*, jqlora_run.json (what export-peft
-needs) and the adapter. --resume continues from the newest checkpoint with the stored settings
-(raise --steps to train longer); model and LoRA settings must not change."""
+--epochs N sets the steps from the data (packed rows / (batch_size * grad_accum), rounded up,
+times N) instead of --steps; --warmup-ratio sets the warmup as a fraction of the steps instead
+of --warmup. Outputs in out_dir: loss.csv (step, loss, lr, tokens_per_s, grad_norm), eval.csv
+(step, eval_loss, perplexity), loss.png, tensorboard/ (event files; --no-tensorboard: none),
+checkpoints/step_*, jqlora_run.json (what export-peft needs) and the adapter. --resume continues
+from the newest checkpoint with the stored settings (raise --steps or --epochs to train longer);
+model and LoRA settings must not change."""
 
 _TOP_KEYS = ("model", "compute_dtype", "backend", "attention", "quantize", "init_adapter", "adapter_out")
 _LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "use_rslora")
 _LORA_DEFAULTS = dict(rank=16, alpha=32.0, dropout=0.0, target_modules=None, use_rslora=False)
 _TRAIN_DEFAULTS = dict(remat="auto")  # the CLI's defaults where they differ from TrainConfig's
+_CHOICES = {"lr_schedule": ("cosine", "linear", "constant")}  # jqlora.train.optim.LR_SCHEDULES
+# pairs of settings where one replaces the other: a layer of settings gives at most one of each
+_EITHER_OR = (("epochs", "steps"), ("warmup_ratio", "warmup"))
 
 
 def _train_fields():
@@ -87,6 +94,11 @@ _FIELD_HELP = {
     "data_path": "JSONL training data", "tokenizer_path": "tokenizer.json or its directory (default: the model's)",
     "seq_len": "tokens per row", "batch_size": "rows per micro-batch", "grad_accum": "micro-batches per step",
     "lr": "peak learning rate", "warmup": "linear warmup steps", "steps": "total optimizer steps",
+    "lr_schedule": "after warmup: cosine or linear decay to lr * final_lr_ratio, or constant",
+    "warmup_ratio": "warmup as a fraction of the steps (instead of --warmup)",
+    "epochs": "passes over the training data; sets the steps (instead of --steps)",
+    "final_lr_ratio": "the decay's end: lr * this",
+    "tensorboard": "TensorBoard event files in out_dir/tensorboard (default: on when tensorboardX is installed)",
     "out_dir": "output directory", "save_every": "checkpoint every N steps (0: only at the end)",
     "eval_data_path": "JSONL evaluation data", "eval_every": "evaluate every N steps",
     "data_format": "auto (per line, from its keys), messages, alpaca, text or prompt_completion",
@@ -131,9 +143,15 @@ def add_arguments(p: argparse.ArgumentParser):
         flag = "--" + name.replace("_", "-")
         dflt = _TRAIN_DEFAULTS.get(name, getattr(defaults, name))
         what = _FIELD_HELP.get(name, "")
-        if typ in ("bool", "bool | None"):
+        if name == "tensorboard":
+            t.add_argument(flag, dest="t_" + name, action=argparse.BooleanOptionalAction, default=S,
+                           help=what)
+        elif typ in ("bool", "bool | None"):
             t.add_argument(flag, dest="t_" + name, action=argparse.BooleanOptionalAction, default=S,
                            help=f"{what} (default {dflt})".strip())
+        elif name in _CHOICES:
+            t.add_argument(flag, dest="t_" + name, default=S, choices=_CHOICES[name],
+                           help=f"{what} (default {dflt})")
         else:
             t.add_argument(flag, dest="t_" + name, default=S, metavar=name.upper(),
                            help=f"{what}{': ' if what else ''}{typ} (default {dflt})")
@@ -190,11 +208,16 @@ def resolve_settings(args) -> dict:
     resume = getattr(args, "t_resume", None)
     cfg_file = None
     if args.config:
-        cfg_file = _split_file_settings(load_config_file(args.config), args.config)
+        raw = load_config_file(args.config)
+        cfg_file = _split_file_settings(raw, args.config)
+        if raw.get("format") == RUN_FORMAT:  # a run record given as a config file
+            _drop_derived(cfg_file["train"])
+        _refuse_both(cfg_file["train"], lambda k: f"{k} in {args.config}")
     flags = {"top": {k: getattr(args, k) for k in _TOP_KEYS if hasattr(args, k)},
              "lora": {k: getattr(args, k) for k in _LORA_KEYS if hasattr(args, k)},
              "train": {k: _flag_value(getattr(args, "t_" + k), str(f.type), k)
                        for k, f in fields.items() if hasattr(args, "t_" + k)}}
+    _refuse_both(flags["train"], lambda k: "--" + k.replace("_", "-"))
     if "target_modules" in flags["lora"]:
         flags["lora"]["target_modules"] = _targets(flags["lora"]["target_modules"])
     out_dir = flags["train"].get("out_dir") or (cfg_file or {}).get("train", {}).get("out_dir")
@@ -207,6 +230,7 @@ def resolve_settings(args) -> dict:
         run_file = Path(out_dir or TrainConfig().out_dir) / RUN_FILE
         if run_file.is_file():
             stored = _split_file_settings(load_config_file(run_file), str(run_file))
+            _drop_derived(stored["train"])
             layers.append(stored)
     if cfg_file is not None:
         layers.append(cfg_file)
@@ -215,6 +239,7 @@ def resolve_settings(args) -> dict:
     for layer in layers:
         for part in merged:
             merged[part].update(layer[part])
+        _keep_the_later_of_each_pair(merged["train"], layer["train"])
     merged["lora_explicit"] = sorted(set((cfg_file or {}).get("lora", {})) | set(flags["lora"]))
     merged["lora"]["target_modules"] = _targets(merged["lora"]["target_modules"])
     if stored is not None:
@@ -232,6 +257,31 @@ def resolve_settings(args) -> dict:
                                f"{stored['lora'][key]!r}")
     merged["resumed_settings"] = stored is not None
     return merged
+
+
+def _refuse_both(train: dict, name) -> None:
+    """One layer of settings (flags, a config file) may not give both of a pair in _EITHER_OR."""
+    for a, b in _EITHER_OR:
+        if train.get(a) is not None and b in train:
+            raise CLIError(f"{name(a)} and {name(b)} both given: {name(a)} sets {b}; give one of them")
+
+
+def _drop_derived(train: dict) -> None:
+    """A run record holds `steps` (`warmup`) as counted from its `epochs` (`warmup_ratio`):
+    counted again on resume, from the settings then in force."""
+    for a, b in _EITHER_OR:
+        if train.get(a) is not None:
+            train.pop(b, None)
+
+
+def _keep_the_later_of_each_pair(merged: dict, layer: dict) -> None:
+    """A later layer's `steps` (`warmup`) overrides an earlier layer's `epochs` (`warmup_ratio`),
+    and the other way round: `--resume --steps 2000` on a run of `--epochs 2` trains to step 2000."""
+    for a, b in _EITHER_OR:
+        if b in layer and a not in layer:
+            merged[a] = None
+        elif layer.get(a) is not None and b not in layer:
+            merged.pop(b, None)  # TrainConfig's default; the value comes from `a`
 
 
 def _norm(v):
@@ -339,9 +389,13 @@ def _run(args, held: contextlib.ExitStack) -> int:
         print(f"initialized {len(rep['matched'])} LoRA modules from {top['init_adapter']}", file=sys.stderr)
     from jqlora.train import NonFiniteLossError, train
 
+    def ready(resolved):  # the record keeps what train() counted from epochs and warmup_ratio
+        record["train"].update(steps=resolved.steps, warmup=resolved.warmup)
+        write_run_record(out_dir, record)
+
     try:
         res = train(model, dataclasses.replace(config, remat=resolve_remat(config.remat)),
-                    lock=False, on_ready=lambda: write_run_record(out_dir, record))
+                    lock=False, on_ready=ready)
     except NonFiniteLossError as e:
         raise CLIError(str(e)) from None
     try:
@@ -356,7 +410,7 @@ def _run(args, held: contextlib.ExitStack) -> int:
               "after truncation to seq_len)", file=sys.stderr)
     start = res.resumed_from
     print(f"trained steps {(start or 0) + 1}..{res.step}" + (f" (resumed from step {start})" if start else "")
-          if res.steps else f"nothing to train: already at step {res.step} of {config.steps}")
+          if res.steps else f"nothing to train: already at step {res.step} of {res.total_steps}")
     if res.losses:
         print(f"loss: first {res.losses[0]:.4f}, last {res.losses[-1]:.4f}")
     if res.eval_losses:

@@ -1,4 +1,5 @@
-"""Training: JSONL data, AdamW + warmup/cosine, LoRA-only train loop, atomic checkpoints.
+"""Training: JSONL data, AdamW + warmup and a cosine/linear/constant schedule, LoRA-only train loop,
+metrics (CSV, TensorBoard), atomic checkpoints.
 
 The names below are the public API; the rest stays importable from its module
 (:mod:`jqlora.train.examples`, :mod:`~jqlora.train.tokenization`, :mod:`~jqlora.train.data`,

@@ -134,6 +134,20 @@ class BatchIterator:
             self._order_cache = (epoch, order)
         return self._order_cache[1]
 
+    def rows_per_epoch(self) -> int:
+        """The rows one pass over the data starts: the rows :meth:`__next__` fills with the first
+        epoch's pieces, packed the same way (the last of them may be completed by the next
+        epoch's pieces). What ``TrainConfig.epochs`` counts in."""
+        if not self.packing:
+            return len(self.pieces)
+        rows, fill = 0, None
+        for i in self._order(0):
+            n = len(self.pieces[int(i)][0])
+            if fill is None or fill == self.seq_len or fill + n > self.seq_len:
+                rows, fill = rows + 1, 0
+            fill += n
+        return rows
+
     def _peek(self):
         if self.index >= len(self.pieces):
             self.epoch += 1

@@ -15,14 +15,19 @@ before the first step; a step whose batch has none is skipped and counted
 (``TrainResult.skipped_batches``, also stored in checkpoints so that a resumed run keeps counting).
 
 Progress: a tqdm bar on a terminal; when stderr is not a terminal (nohup, SLURM) and
-``progress`` is None, plain lines (step, loss, tokens/s, elapsed) at the first and last step and
-every :data:`PROGRESS_EVERY_S` seconds.
+``progress`` is None, plain lines (step, loss, grad_norm, lr, tokens/s, elapsed) at the first and
+last step and every :data:`PROGRESS_EVERY_S` seconds.
+
+Length: ``steps`` optimizer steps, or ``epochs`` passes over the tokenized, packed training rows
+(:mod:`jqlora.train.run_length`); the learning-rate schedule (``lr_schedule``, warmup from
+``warmup`` or ``warmup_ratio``) spans them.
 
 One process writes to an ``out_dir`` at a time (:func:`jqlora.runs.lock_run_dir`); under that
 lock a run removes the temp files of writes a killed process left behind.
 
-Outputs in ``out_dir``: ``loss.csv`` (step, loss, lr, tokens_per_s: one row per logged step),
-``loss.png``, ``eval.csv`` (when evaluating) and ``checkpoints/step_XXXXXXXX``.
+Outputs in ``out_dir``: ``loss.csv`` (step, loss, lr, tokens_per_s, grad_norm: one row per logged
+step), ``loss.png``, ``eval.csv`` (step, eval_loss, perplexity; when evaluating), TensorBoard event
+files in ``tensorboard/`` (:mod:`jqlora.train.metrics_log`) and ``checkpoints/step_XXXXXXXX``.
 """
 from __future__ import annotations
 
@@ -31,7 +36,6 @@ import json
 import os
 import shutil
 import sys
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,8 +49,10 @@ from .checkpoint import (STATE_FILE, NonFiniteStateError, latest_checkpoint, lis
                          remove_stale_saves, restore_checkpoint, save_checkpoint)
 from .data import BatchIterator, SegmentTables
 from .examples import Example, load_jsonl, parse_example
-from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, CsvLog, write_loss_plot
-from .optim import make_optimizer, make_schedule
+from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, write_loss_plot
+from .metrics_log import MetricsLog, tensorboard_available
+from .optim import LR_SCHEDULES, make_optimizer, make_schedule
+from .run_length import resolve_run_length
 from .step import evaluate, train_step
 from .tokenization import check_tokenizer_fits, load_tokenizer, special_tokens, tokenize_examples
 from .. import parallel
@@ -84,8 +90,11 @@ class TrainConfig:
     batch_size: int = 8          # rows per micro-batch
     grad_accum: int = 1          # micro-batches per optimizer step
     lr: float = 2e-4
+    lr_schedule: str = "cosine"  # after warmup: "cosine" or "linear" decay, or "constant"
     warmup: int = 0              # warmup steps
+    warmup_ratio: float | None = None  # warmup as a fraction of the steps (replaces warmup)
     steps: int = 1000            # total optimizer steps (also the length of the LR schedule)
+    epochs: float | None = None  # passes over the packed training rows (replaces steps)
     seed: int = 0                # data shuffle seed
     out_dir: str = "runs/jqlora"
     save_every: int = 100        # checkpoint every N steps (0: only at the end); always at the end
@@ -108,6 +117,7 @@ class TrainConfig:
     shuffle: bool = True
     keep_checkpoints: int | None = 2
     progress: bool | None = None  # tqdm bar; None: on a TTY, else plain lines
+    tensorboard: bool | None = None  # event files in out_dir/tensorboard; None: if tensorboardX is installed
     resume: bool = False
     mesh: str | None = None      # "data=2,fsdp=2" (or a jax Mesh); None: every device on data
 
@@ -119,6 +129,16 @@ class TrainConfig:
             raise ValueError("TrainConfig.save_every and warmup must be >= 0")
         if self.eval_every is not None and self.eval_every < 1:
             raise ValueError("TrainConfig.eval_every must be >= 1 or None")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"TrainConfig.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, "
+                             f"got {self.lr_schedule!r}")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"TrainConfig.epochs must be > 0 or None, got {self.epochs}")
+        if self.warmup_ratio is not None and not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"TrainConfig.warmup_ratio must be in [0, 1] or None, got {self.warmup_ratio}")
+        if self.tensorboard and not tensorboard_available():
+            raise ValueError("TrainConfig.tensorboard is on but tensorboardX is not installed "
+                             "(pip install tensorboardX)")
 
 
 @dataclasses.dataclass
@@ -139,6 +159,7 @@ class TrainResult:
     png_path: Path | None
     stopped_early: bool = False
     skipped_batches: int = 0                   # steps' batches without a supervised token (whole run)
+    total_steps: int = 0                       # the run's length (from epochs when those were set)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,11 +260,6 @@ def _stored_skips(checkpoint: Path) -> int:
         return 0
 
 
-def _fmt_elapsed(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
 def _apply_remat(model, remat) -> None:
     """Turn on per-layer rematerialization in the model. ``remat``: False, True or a policy name
     understood by the model. Tries, in order: ``model.set_remat(remat)``, a ``model.remat``
@@ -316,9 +332,10 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
       resume: (default ``config.resume``) continue from the newest checkpoint in
         ``out_dir/checkpoints`` (fresh start if there is none). Without it, an ``out_dir`` that
         already holds checkpoints is refused rather than overwritten.
-      on_ready: ``on_ready()`` runs once every check has passed (data loaded, checkpoint
-        restored), before anything in ``out_dir`` changes: ``jqlora train`` writes its run
-        record there, so that a refused or failed run leaves the record on disk untouched.
+      on_ready: ``on_ready(config)`` runs once every check has passed (data loaded, checkpoint
+        restored), before anything in ``out_dir`` changes, with the run's resolved config
+        (``steps`` and ``warmup`` counted from ``epochs`` and ``warmup_ratio``): ``jqlora train``
+        writes its run record there, so that a refused or failed run leaves it untouched.
       lock: hold ``out_dir``'s writer lock (:func:`jqlora.runs.lock_run_dir`) while training;
         False when the caller already holds it.
 
@@ -356,11 +373,14 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
     if config.eval_every and eval_it is None:
         raise ValueError("TrainConfig.eval_every is set but there is no eval data: pass "
                          "eval_data=... or set TrainConfig.eval_data_path")
+    length = resolve_run_length(config, it)
+    config = length.config
 
     schedule = make_schedule(config.lr, config.warmup, config.steps,
-                             final_lr_ratio=config.final_lr_ratio)
+                             final_lr_ratio=config.final_lr_ratio, kind=config.lr_schedule)
     tx = make_optimizer(config.lr, config.warmup, config.steps, config.weight_decay, config.b1,
-                        config.b2, config.grad_clip, final_lr_ratio=config.final_lr_ratio)
+                        config.b2, config.grad_clip, final_lr_ratio=config.final_lr_ratio,
+                        lr_schedule=config.lr_schedule)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
 
     start, resumed_from, last_ckpt = 0, None, latest_checkpoint(ckpt_dir)
@@ -377,7 +397,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
         skipped_before = _stored_skips(last_ckpt)
 
     if on_ready is not None:
-        on_ready()
+        on_ready(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp(out_dir)
 
@@ -393,21 +413,17 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
     # would wait for whenever the host has nothing queued (at checkpoints, evals, with on_step)
     step_fn = parallel.with_mesh(mesh, train_step.bind(model, optimizer))
 
-    log = CsvLog(out_dir / CSV_NAME, ["step", "loss", "lr", "tokens_per_s"],
-                  keep_upto=start if resumed_from is not None else None)
-    eval_log = (CsvLog(out_dir / EVAL_CSV_NAME, ["step", "eval_loss"],
-                        keep_upto=start if resumed_from is not None else None)
-                if eval_it is not None else None)
+    if length.describe() is not None and config.progress is not False:
+        print(f"train: {length.describe()}", file=sys.stderr, flush=True)
+    log = MetricsLog(out_dir, start=start, total=config.steps, resumed=resumed_from is not None,
+                     log_every=config.log_every, evaluating=eval_it is not None,
+                     tensorboard=(tensorboard_available() if config.tensorboard is None
+                                  else config.tensorboard),
+                     progress=config.progress, progress_every_s=PROGRESS_EVERY_S)
     result = TrainResult(step=start, steps=[], losses=[], lrs=[], grad_norms=[],
                          tokens_per_s=[], eval_losses=[], checkpoint=last_ckpt,
                          resumed_from=resumed_from, out_dir=out_dir, csv_path=out_dir / CSV_NAME,
-                         png_path=None, skipped_batches=skipped_before)
-    tty = sys.stderr.isatty()
-    show = config.progress if config.progress is not None else tty
-    plain = config.progress is None and not tty  # a log file: periodic plain lines, no bar
-    from tqdm import tqdm
-    bar = tqdm(total=config.steps, initial=start, disable=not show, desc="train",
-               dynamic_ncols=True, file=sys.stderr)
+                         png_path=None, skipped_batches=skipped_before, total_steps=config.steps)
 
     segment_tables = SegmentTables()
 
@@ -479,24 +495,14 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
         eval, or every step when ``on_step`` may stop the run or inspect the model."""
         return on_step is not None or saves_at(step) or evaluates_at(step)
 
-    t_prev = window_t0 = 0.0
-    window_tokens = 0
-    t_start = line_t0 = time.perf_counter()
-    line_tokens = 0
-
     def finish(step, metrics, ntok_in, step_state, skipped_upto) -> bool:
         """Read a dispatched step's metrics, then log, evaluate, checkpoint and call on_step.
         False: on_step asked to stop."""
-        nonlocal t_prev, window_tokens, window_t0, line_t0, line_tokens
         m = {k: v.item() for k, v in jax.device_get(metrics).items()}
         m["lr"] = float(schedule(step - 1))
-        now = time.perf_counter()
         if not m["ok"]:
             raise non_finite(step, m)
-        tps = ntok_in / max(now - t_prev, 1e-9)
-        t_prev = now
-        window_tokens += ntok_in
-        line_tokens += ntok_in
+        tps = log.step(step, m, ntok_in)
         m.update(tokens=ntok_in, tokens_per_s=tps)
         result.step = step
         result.skipped_batches = skipped_upto
@@ -505,29 +511,17 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
         result.lrs.append(m["lr"])
         result.grad_norms.append(m["grad_norm"])
         result.tokens_per_s.append(tps)
-        if step % config.log_every == 0 or step == config.steps:
-            log.write([step, repr(m["loss"]), repr(m["lr"]),
-                       f"{window_tokens / max(now - window_t0, 1e-9):.2f}"])
-            window_tokens, window_t0 = 0, now
         if evaluates_at(step):
-            ev = parallel.with_mesh(mesh, evaluate)(model, eval_it.eval_batches(), max_batches=config.eval_max_batches)
-            result.eval_losses.append((step, ev))
-            eval_log.write([step, repr(ev)])
-            m["eval_loss"] = ev
-            t_prev = window_t0 = time.perf_counter()  # don't count eval in tokens/s
-        bar.update(1)
-        bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{tps:,.0f}", lr=f"{m['lr']:.2e}")
-        if plain and (step == start + 1 or step == config.steps
-                      or now - line_t0 >= PROGRESS_EVERY_S):
-            print(f"train: step {step}/{config.steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
-                  f"tokens/s {line_tokens / max(now - line_t0, 1e-9):,.0f}  "
-                  f"elapsed {_fmt_elapsed(now - t_start)}", file=sys.stderr, flush=True)
-            line_t0, line_tokens = now, 0
+            with log.paused():  # evaluation is not training throughput
+                ev = parallel.with_mesh(mesh, evaluate)(model, eval_it.eval_batches(),
+                                                        max_batches=config.eval_max_batches)
+                result.eval_losses.append((step, ev))
+                m["eval_loss"], m["eval_perplexity"] = ev, log.evaluation(step, ev)
         saved = False
         if saves_at(step):
-            save(step, step_state, m)
+            with log.paused():  # nor is checkpointing
+                save(step, step_state, m)
             saved = True
-            t_prev = time.perf_counter()  # don't count checkpointing in the next step's rate
         if on_step is not None and on_step(step, m) is False:
             if not saved:
                 save(step, step_state, m)
@@ -540,7 +534,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
             return result
         batch, ntok_next, skipped_next = next_batch()
         batch_state = it.state_dict()  # the data position once this batch is consumed
-        t_prev = window_t0 = line_t0 = time.perf_counter()
+        log.start_clock()
         # One step in flight: between checkpoints and evals the host reads step N's metrics only
         # after dispatching step N + 1, so the host's own per-step time (dispatch, metrics,
         # logging) overlaps the device's work instead of adding to it.
@@ -559,10 +553,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
                 break
         return result
     finally:
-        bar.close()
         log.close()
-        if eval_log is not None:
-            eval_log.close()
         try:
             result.png_path = write_loss_plot(out_dir)
         except Exception as e:  # a plotting failure must not hide the real outcome

@@ -1,4 +1,5 @@
-"""Optimizer: AdamW + linear warmup + cosine decay + global-norm clipping (optax).
+"""Optimizer: AdamW + a learning-rate schedule (linear warmup, then cosine, linear or constant) +
+global-norm clipping, all from optax.
 
 Gradient accumulation is NOT done here with ``optax.MultiSteps``: the train step
 (:mod:`jqlora.train.loop`) runs an explicit ``lax.scan`` over the ``grad_accum`` micro-batches,
@@ -11,48 +12,61 @@ optimizer step = one training step (schedule, logging and checkpoints count the 
 from __future__ import annotations
 
 import functools
-import math
 
-import jax.numpy as jnp
 import optax
 
-__all__ = ["make_schedule", "make_optimizer"]
+__all__ = ["LR_SCHEDULES", "make_schedule", "make_optimizer"]
+
+LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
 def make_schedule(lr: float, warmup_steps: int, total_steps: int, *,
-                  final_lr_ratio: float = 0.0) -> optax.Schedule:
+                  final_lr_ratio: float = 0.0, kind: str = "cosine") -> optax.Schedule:
     """Learning rate for optimizer count ``c`` (0-based; the update of training step ``c + 1``).
 
     Linear warmup ``lr * (c + 1) / warmup_steps`` for ``c < warmup_steps`` (the first update is not
-    wasted at lr 0), then cosine decay from ``lr`` to ``lr * final_lr_ratio`` over the remaining
-    ``total_steps - warmup_steps`` steps.
+    wasted at lr 0), then over the remaining ``total_steps - warmup_steps`` counts:
+
+    * ``"cosine"``: cosine decay from ``lr`` to ``lr * final_lr_ratio``,
+    * ``"linear"``: linear decay from ``lr`` to ``lr * final_lr_ratio``,
+    * ``"constant"``: ``lr`` (``final_lr_ratio`` does not apply).
+
+    The decays reach their end value at ``c = total_steps`` and stay there.
     """
+    if kind not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {kind!r}; expected one of {', '.join(LR_SCHEDULES)}")
     warmup_steps = max(int(warmup_steps), 0)
     total_steps = max(int(total_steps), 1)
     decay_steps = max(total_steps - warmup_steps, 1)
     end = lr * final_lr_ratio
-
-    def schedule(count):
-        c = jnp.asarray(count, jnp.float32)
-        warm = lr * (c + 1.0) / max(warmup_steps, 1)
-        progress = jnp.clip((c - warmup_steps) / decay_steps, 0.0, 1.0)
-        cos = end + (lr - end) * 0.5 * (1.0 + jnp.cos(math.pi * progress))
-        return jnp.where(c < warmup_steps, warm, cos)
-
-    return schedule
+    if kind == "cosine":
+        after = optax.cosine_decay_schedule(lr, decay_steps, alpha=final_lr_ratio)
+    elif kind == "linear":
+        after = optax.linear_schedule(lr, end, decay_steps)
+    else:
+        after = optax.constant_schedule(lr)
+    if warmup_steps == 0:
+        return after
+    # lr/W at count 0 up to lr at count W - 1: linear_schedule over W - 1 transitions (a single
+    # warmup step is lr itself)
+    warmup = (optax.linear_schedule(lr / warmup_steps, lr, warmup_steps - 1) if warmup_steps > 1
+              else optax.constant_schedule(lr))
+    return optax.join_schedules([warmup, after], [warmup_steps])
 
 
 @functools.lru_cache(maxsize=32)
 def make_optimizer(lr: float, warmup_steps: int, total_steps: int, weight_decay: float = 0.0,
                    b1: float = 0.9, b2: float = 0.999, grad_clip: float | None = 1.0, *,
-                   eps: float = 1e-8, final_lr_ratio: float = 0.0
+                   eps: float = 1e-8, final_lr_ratio: float = 0.0, lr_schedule: str = "cosine"
                    ) -> optax.GradientTransformation:
     """``clip_by_global_norm(grad_clip)`` (skipped when ``grad_clip`` is None or <= 0) followed by
-    ``adamw`` with :func:`make_schedule`. Weight decay applies to every trained (LoRA) parameter.
+    ``adamw`` with :func:`make_schedule` (``lr_schedule`` is its ``kind``). Weight decay applies to
+    every trained (LoRA) parameter. The optimizer state has the same structure for every schedule.
 
     Memoized: equal arguments return the same (stateless) transformation object, so that
     ``nnx.Optimizer``s built from equal configs share one compiled train step."""
-    schedule = make_schedule(lr, warmup_steps, total_steps, final_lr_ratio=final_lr_ratio)
+    schedule = make_schedule(lr, warmup_steps, total_steps, final_lr_ratio=final_lr_ratio,
+                             kind=lr_schedule)
     parts = []
     if grad_clip is not None and grad_clip > 0:
         parts.append(optax.clip_by_global_norm(float(grad_clip)))
