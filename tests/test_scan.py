@@ -237,3 +237,38 @@ def test_remat_auto_model_runs_and_matches_no_remat():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
     with pytest.raises(ValueError, match="unknown remat policy"):
         _model(2, remat="fastest")
+
+
+@pytest.mark.parametrize("spec", ["data=2", "fsdp=2"])
+def test_remat_auto_under_a_mesh_plans_for_one_device(monkeypatch, spec):
+    """Traced under a mesh, the shapes are global: the plan must take one device's rows (batch /
+    (data * fsdp)) and one device's weight shards (/ fsdp). The device is sized so that one
+    device's share fits without remat and more than that (every row, or every weight) does not."""
+    from jqlora import parallel
+    from jqlora.models import remat
+    from jqlora.models.llama import _state_bytes
+
+    m = _model(2, remat="auto")
+    ids = _ids(2, 12)
+    fsdp = 2 if spec == "fsdp=2" else 1
+    one_device = remat.remat_plan(m.config, 1, 12, device_bytes=None, param_bytes=_state_bytes(m) // fsdp,
+                                  compute_dtype=jnp.float32, attention="einsum", lora_rank=4).predicted["none"]
+    monkeypatch.setattr(remat, "device_memory", lambda: int(one_device / remat.HEADROOM) + 1)
+    plans = []
+    monkeypatch.setattr(remat.RematPlan, "log", lambda self: plans.append(self))
+    graphdef, state = nnx.split(m)
+    forward = lambda st: nnx.merge(graphdef, st)(ids)  # noqa: E731
+
+    def chosen(mesh_spec):
+        plans.clear()
+        with parallel.activate(None if mesh_spec is None else parallel.make_mesh(mesh_spec)):
+            jax.eval_shape(forward, state)
+        assert len(plans) == 1, plans
+        return plans[0]
+
+    assert chosen(None).policy is not None  # both rows on one device: remat
+    if fsdp == 2:  # one device's rows with every weight: remat
+        assert chosen("data=2").policy is not None
+    plan = chosen(spec)
+    assert plan.policy is None, plan.reason
+    assert plan.predicted["none"] == one_device
