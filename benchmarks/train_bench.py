@@ -207,7 +207,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     import jax
     import numpy as np
 
-    from jqlora.train.frozen_jit import frozen_jit
+    from jqlora.train.frozen import frozen_jit
     from jqlora.train.step import LOSS_CHUNK, _train_step_impl, train_step
 
     step = train_step

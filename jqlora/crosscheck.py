@@ -285,7 +285,7 @@ def jax_states(model, ids: np.ndarray) -> dict:
     """Same keys as `torch_states`, from a jqlora CausalLM (eval mode, no cache)."""
     import jax
     import jax.numpy as jnp
-    from jqlora.train.frozen_jit import frozen_jit
+    from jqlora.train.frozen import frozen_jit
 
     def fwd(m, x):
         logits, states = m(x, return_states=True)

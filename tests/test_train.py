@@ -837,7 +837,7 @@ def test_unpacked_rows_need_no_segment_mask(attention):
 
 def test_bound_step_reads_values_set_between_calls_and_checks_its_arguments():
     from jqlora import lora
-    from jqlora.train.frozen_jit import frozen_jit
+    from jqlora.train.frozen import frozen_jit
 
     model, _ = _quantized_llama_and_opt()
     ids = jnp.asarray(_tiny_batch()["input_ids"][0])

@@ -135,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="where to write the PEFT adapter at the end (default <out_dir>/adapter)")
     g.add_argument("--dry-run", action="store_true", help="print the resolved settings as JSON and exit")
     t = p.add_argument_group("training (jqlora.train.TrainConfig fields)")
-    from jqlora.train import TrainConfig  # light: no model code runs
+    from jqlora.train.config import TrainConfig  # light: no jax
 
     defaults = TrainConfig()
     for name, f in _train_fields().items():

@@ -5,14 +5,28 @@ The names below are the public API; the rest stays importable from its module
 (:mod:`jqlora.train.examples`, :mod:`~jqlora.train.tokenization`, :mod:`~jqlora.train.data`,
 :mod:`~jqlora.train.step`, :mod:`~jqlora.train.checkpoint`, ...).
 """
-from .checkpoint import CheckpointError, list_checkpoints, restore_checkpoint, save_checkpoint
-from .data import BatchIterator, make_batch_iterator
-from .examples import DataError
-from .frozen_jit import frozen_jit
-from .loop import NonFiniteLossError, TrainConfig, TrainResult, train
-from .optim import make_optimizer, make_schedule
-from .step import evaluate, train_step
-from .tokenization import load_tokenizer, special_tokens
+import importlib
+
+from .config import TrainConfig
+
+# name -> submodule; imported on first use (PEP 562), so `from jqlora.train import TrainConfig`
+# (what `jqlora train --help` needs) does not load jax
+_LAZY = {
+    "CheckpointError": "checkpoint", "list_checkpoints": "checkpoint", "restore_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint", "BatchIterator": "data", "make_batch_iterator": "data",
+    "DataError": "examples", "frozen_jit": "frozen", "NonFiniteLossError": "loop", "TrainResult": "loop",
+    "train": "loop", "make_optimizer": "optim", "make_schedule": "optim", "evaluate": "step",
+    "train_step": "step", "load_tokenizer": "tokenization", "special_tokens": "tokenization",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "train", "TrainConfig", "TrainResult", "NonFiniteLossError", "train_step", "evaluate", "frozen_jit",

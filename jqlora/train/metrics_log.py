@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from .config import tensorboard_available  # noqa: F401  (re-exported)
 from .logs import CSV_NAME, EVAL_CSV_NAME, CsvLog
 
 __all__ = ["MetricsLog", "EventFile", "TB_DIR", "TRAIN_COLUMNS", "EVAL_COLUMNS",
@@ -27,10 +28,6 @@ __all__ = ["MetricsLog", "EventFile", "TB_DIR", "TRAIN_COLUMNS", "EVAL_COLUMNS",
 TB_DIR = "tensorboard"
 TRAIN_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "grad_norm")
 EVAL_COLUMNS = ("step", "eval_loss", "perplexity")
-
-
-def tensorboard_available() -> bool:
-    return importlib.util.find_spec("tensorboardX") is not None
 
 
 def perplexity(mean_loss: float) -> float:

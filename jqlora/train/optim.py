@@ -15,9 +15,10 @@ import functools
 
 import optax
 
+from .config import LR_SCHEDULES
+
 __all__ = ["LR_SCHEDULES", "make_schedule", "make_optimizer"]
 
-LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
 def make_schedule(lr: float, warmup_steps: int, total_steps: int, *,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .frozen_jit import frozen_jit
+from .frozen import frozen_jit
 
 __all__ = ["LOSS_CHUNK", "masked_cross_entropy", "chunked_cross_entropy", "train_step", "evaluate"]
 

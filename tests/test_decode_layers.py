@@ -1,0 +1,113 @@
+"""Generation with the decoder layers sliced once before the decode loop (`decode_layers="hoisted"`)
+against the scan over stacked layers inside it ("scanned"), and the "auto" choice between them."""
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jqlora.models import generate
+from test_scan import _ids, _model
+
+# the package re-exports the function `generate`, which shadows the module of the same name
+gen = importlib.import_module("jqlora.models.generate")
+
+
+def _multi_stack_model():
+    """Four layers, LoRA on layer 1 only: stacks [0], [1], [2, 3] (a stack that starts past 0 and
+    holds two layers, so each layer's KV-cache row start + j matters)."""
+    m = _model(4, targets=("model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"))
+    assert [(s.start, s.size) for s in m.model.layers.stacks] == [(0, 1), (1, 1), (2, 2)]
+    return m
+
+
+def _left_padded_prompt():
+    ids = _ids(2, 6, seed=3)
+    mask = jnp.asarray([[1] * 6, [0, 0, 1, 1, 1, 1]], jnp.int32)
+    return ids, mask
+
+
+def test_hoisted_decode_equals_scanned_and_a_full_forward():
+    m = _multi_stack_model()
+    ids, mask = _left_padded_prompt()
+    n = 5
+    runs = {how: generate(m, ids, n, attention_mask=mask, return_logits=True, decode_layers=how)
+                for how in ("scanned", "hoisted")}
+    (seq_s, scores_s), (seq_h, scores_h) = runs["scanned"], runs["hoisted"]
+    np.testing.assert_array_equal(np.asarray(seq_h), np.asarray(seq_s))
+    np.testing.assert_allclose(np.asarray(scores_h), np.asarray(scores_s), rtol=1e-5, atol=1e-5)
+    # both against one forward over prompt + generated tokens, without a cache: the logits each
+    # new token was chosen from are those of the position before it
+    full_mask = jnp.concatenate([mask, jnp.ones((2, n), jnp.int32)], axis=1)
+    positions = jnp.maximum(jnp.cumsum(full_mask, axis=1) - 1, 0)
+    ref = m(seq_h, positions=positions, segment_ids=full_mask)[:, ids.shape[1] - 1:-1]
+    np.testing.assert_allclose(np.asarray(scores_h), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    assert len({tuple(r) for r in np.asarray(seq_h[:, 6:])}) == 2  # rows differ: the padding matters
+
+
+def _lowered(m, hoist: bool) -> str:
+    graphdef, state = nnx.split(m)
+    ids = _ids(1, 5)
+    return gen._generate.lower(graphdef, state, ids, jnp.ones_like(ids), None, jnp.full((1,), -1, jnp.int32),
+                               jnp.float32(0.0), jnp.float32(1.0), jnp.int32(4), bucket=gen.TOKEN_BUCKET,
+                               greedy=True, use_top_p=False, return_logits=False, hoist=hoist).as_text()
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_hoisted_decode_loop_has_no_scan_over_layers(multi):
+    m = _multi_stack_model() if multi else _model(2)
+    stacks = m.model.layers.stacks
+    scanned, hoisted = _lowered(m, False), _lowered(m, True)
+    # the prefill scans each stack in both; only the scanned decode loop scans them again
+    assert scanned.count("stablehlo.while") - hoisted.count("stablehlo.while") == len(stacks)
+    # inside the hoisted loop: one lowered layer function per stack, called once per layer
+    calls = re.findall(r"call @(one_layer\w*)", hoisted)
+    assert len(calls) == m.config.num_hidden_layers and len(set(calls)) == len(stacks), calls
+    assert "one_layer" not in scanned
+
+
+def test_auto_hoists_only_where_two_copies_of_the_layers_fit(monkeypatch):
+    m = _model(2)
+    batch, max_len = 2, 5 + gen.TOKEN_BUCKET
+    weights = gen._state_bytes(nnx.state(m))
+    layers = gen._state_bytes(nnx.state(m.model.layers))
+    kv = m.init_cache(batch, max_len)
+    need = weights + layers + kv.k.nbytes + kv.v.nbytes
+    assert 0 < layers < weights
+
+    def hoists(limit):
+        monkeypatch.setattr(gen, "device_memory", lambda: limit)
+        return gen.hoist_layers(m, batch, max_len)
+
+    assert hoists(None) is False  # a CPU: no limit reported, copies are cheap
+    assert hoists(1 << 50) is True
+    assert hoists(int(need / 0.9) + 2) is True
+    assert hoists(int(need / 0.9) - 2) is False
+    assert hoists(int((need - layers) / 0.9) + 2) is False  # fits once, not with a second copy of the layers
+    monkeypatch.setattr(gen, "device_memory", lambda: 0)
+    assert gen.hoist_layers(m, batch, max_len, "hoisted") is True  # explicit choices ignore memory
+    monkeypatch.setattr(gen, "device_memory", lambda: 1 << 50)
+    assert gen.hoist_layers(m, batch, max_len, "scanned") is False
+    with pytest.raises(ValueError, match="decode_layers must be one of"):
+        gen.hoist_layers(m, batch, max_len, "unrolled")
+    with pytest.raises(ValueError, match="decode_layers must be one of"):
+        generate(m, _ids(1, 5), 2, decode_layers="unrolled")
+
+
+def test_generate_passes_the_auto_choice_to_the_compiled_program(monkeypatch):
+    m = _model(2)
+    seen = []
+
+    def record(*args, bucket, **kw):
+        seen.append(kw["hoist"])
+        b = args[2].shape[0]
+        return jnp.zeros((b, bucket), jnp.int32), jnp.zeros((b, 0, m.config.vocab_size), jnp.float32)
+
+    monkeypatch.setattr(gen, "_generate", record)
+    for limit, hoist in ((None, False), (1 << 50, True), (1, False)):
+        monkeypatch.setattr(gen, "device_memory", lambda limit=limit: limit)
+        generate(m, _ids(1, 5), 2)
+        assert seen[-1] is hoist, (limit, seen)
