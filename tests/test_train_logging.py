@@ -249,7 +249,10 @@ def test_tensorboard_off_or_missing(tmp_path, tok_path, monkeypatch):  # noqa: F
     data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(8))
     res = T.train(StubLM(), base_config(tmp_path, tok_path, data, steps=2, tensorboard=False))
     assert not (res.out_dir / "tensorboard").exists() and res.csv_path.is_file()
-    monkeypatch.setattr(loop, "tensorboard_available", lambda: False)
+    from jqlora.train import config as train_config
+
+    for module in (loop, train_config):  # TrainConfig.validate checks, train() decides
+        monkeypatch.setattr(module, "tensorboard_available", lambda: False)
     with pytest.raises(ValueError, match="tensorboardX is not installed"):
         base_config(tmp_path, tok_path, data, tensorboard=True).validate()
     res = T.train(StubLM(), base_config(tmp_path, tok_path, data, steps=2, out_dir=str(tmp_path / "b")))
