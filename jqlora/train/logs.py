@@ -1,14 +1,26 @@
 """The run's log files in ``out_dir``: per-step CSVs (train loss, eval loss) and the loss plot."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 CSV_NAME = "loss.csv"
 PNG_NAME = "loss.png"
 EVAL_CSV_NAME = "eval.csv"
+
+
+@contextlib.contextmanager
+def naming_file(path) -> Iterator[None]:
+    """Re-raise an OSError without a file name (ENOSPC from a write()) as one naming `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 class CsvLog:
@@ -37,13 +49,9 @@ class CsvLog:
         self._w = csv.writer(self._f)
 
     def write(self, row: Sequence) -> None:
-        try:
+        with naming_file(self.path):
             self._w.writerow(row)
             self._f.flush()
-        except OSError as e:
-            if e.filename is None and e.errno is not None:  # e.g. ENOSPC from a write(): say which file
-                raise OSError(e.errno, e.strerror, str(self.path)) from e
-            raise
 
     def close(self) -> None:
         self._f.close()

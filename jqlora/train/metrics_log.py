@@ -12,7 +12,6 @@ steps after the checkpoint it resumed from, or a removed run's), as ``loss.csv``
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import os
 import sys
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 
 from .config import tensorboard_available  # noqa: F401  (re-exported)
-from .logs import CSV_NAME, EVAL_CSV_NAME, CsvLog
+from .logs import CSV_NAME, EVAL_CSV_NAME, CsvLog, naming_file
 
 __all__ = ["MetricsLog", "EventFile", "TB_DIR", "TRAIN_COLUMNS", "EVAL_COLUMNS",
            "tensorboard_available", "perplexity"]
@@ -77,13 +76,9 @@ class EventFile:
         self._write(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
     def _write(self, event) -> None:
-        try:
+        with naming_file(self.path):
             self._writer.write_event(event)
             self._writer.flush()
-        except OSError as e:
-            if e.filename is None and e.errno is not None:  # e.g. ENOSPC from a write(): say which file
-                raise OSError(e.errno, e.strerror, str(self.path)) from e
-            raise
 
     def close(self) -> None:
         self._writer.close()
