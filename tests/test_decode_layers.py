@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jqlora.models import generate
+from jqlora.models import generate, remat
 from test_scan import _ids, _model
 
 # the package re-exports the function `generate`, which shadows the module of the same name
@@ -72,8 +72,8 @@ def test_hoisted_decode_loop_has_no_scan_over_layers(multi):
 def test_auto_hoists_only_where_two_copies_of_the_layers_fit(monkeypatch):
     m = _model(2)
     batch, max_len = 2, 5 + gen.TOKEN_BUCKET
-    weights = gen._state_bytes(nnx.state(m))
-    layers = gen._state_bytes(nnx.state(m.model.layers))
+    weights = remat.state_bytes(m)
+    layers = remat.state_bytes(m.model.layers)
     kv = m.init_cache(batch, max_len)
     need = weights + layers + kv.k.nbytes + kv.v.nbytes
     assert 0 < layers < weights

@@ -246,12 +246,12 @@ def test_remat_auto_under_a_mesh_plans_for_one_device(monkeypatch, spec):
     device's share fits without remat and more than that (every row, or every weight) does not."""
     from jqlora import parallel
     from jqlora.models import remat
-    from jqlora.models.llama import _state_bytes
+    from jqlora.models.remat import state_bytes
 
     m = _model(2, remat="auto")
     ids = _ids(2, 12)
     fsdp = 2 if spec == "fsdp=2" else 1
-    one_device = remat.remat_plan(m.config, 1, 12, device_bytes=None, param_bytes=_state_bytes(m) // fsdp,
+    one_device = remat.remat_plan(m.config, 1, 12, device_bytes=None, param_bytes=state_bytes(m) // fsdp,
                                   compute_dtype=jnp.float32, attention="einsum", lora_rank=4).predicted["none"]
     monkeypatch.setattr(remat, "device_memory", lambda: int(one_device / remat.HEADROOM) + 1)
     plans = []

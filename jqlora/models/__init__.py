@@ -4,10 +4,11 @@ The names below are the public API; the layers (``Attention``, ``DecoderLayer``,
 helpers stay importable from :mod:`jqlora.models.llama`, :mod:`~jqlora.models.config` and
 :mod:`~jqlora.models.generate`.
 """
+from jqlora.models.build import from_params, init_params
 from jqlora.models.cache import KVCache
 from jqlora.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, UnsupportedModelError
 from jqlora.models.generate import generate
-from jqlora.models.llama import CausalLM, from_params, init_params
+from jqlora.models.llama import CausalLM
 from jqlora.models.loader import load_causal_lm
 from jqlora.models.remat import REMAT_POLICIES, RematPlan, remat_plan
 

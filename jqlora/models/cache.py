@@ -23,9 +23,14 @@ class KVCache:
     segment_ids: jax.Array
     index: jax.Array
 
+    @staticmethod
+    def kv_shape(config: ModelConfig, batch: int, max_len: int) -> tuple:
+        """The shape of `k` (and of `v`)."""
+        return (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> "KVCache":
-        shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+        shape = cls.kv_shape(config, batch, max_len)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    segment_ids=jnp.zeros((batch, max_len), jnp.int32), index=jnp.zeros((), jnp.int32))
 

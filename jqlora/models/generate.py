@@ -15,6 +15,7 @@ the device's memory; on a CPU (no memory limit reported, cheap copies) it scans.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence, Union
 
 import jax
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jqlora.models.cache import KVCache
-from jqlora.models.remat import device_memory
+from jqlora.models.remat import device_memory, state_bytes
 
 # The output buffer and KV cache are sized to max_new_tokens rounded up to this; a request for N
 # tokens compiles only when its bucket (or the prompt shape) is new.
@@ -68,11 +69,6 @@ def token_bucket(max_new_tokens: int) -> int:
     return -(-int(max_new_tokens) // TOKEN_BUCKET) * TOKEN_BUCKET
 
 
-def _state_bytes(state) -> int:
-    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state) if hasattr(a, "dtype")
-                   and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)))
-
-
 def hoist_layers(model, batch: int, max_len: int, decode_layers: str = "auto") -> bool:
     """Whether generation slices the layers once before its decode loop (module docstring)."""
     if decode_layers not in DECODE_LAYERS:
@@ -82,10 +78,8 @@ def hoist_layers(model, batch: int, max_len: int, decode_layers: str = "auto") -
     limit = device_memory()
     if limit is None:
         return False
-    c = model.config
-    cache = 2 * c.num_hidden_layers * batch * max_len * c.num_key_value_heads * c.head_dim * model.compute_dtype.itemsize
-    layers = _state_bytes(nnx.state(model.model.layers))
-    return _state_bytes(nnx.state(model)) + layers + cache <= 0.9 * limit
+    cache = 2 * math.prod(KVCache.kv_shape(model.config, batch, max_len)) * model.compute_dtype.itemsize
+    return state_bytes(model) + state_bytes(model.model.layers) + cache <= 0.9 * limit
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "greedy", "use_top_p", "return_logits", "hoist"))

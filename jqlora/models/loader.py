@@ -10,7 +10,8 @@ from flax import nnx
 from jqlora import parallel
 from jqlora.lora.config import LoraConfig
 from jqlora.models.config import ModelConfig, UnsupportedModelError
-from jqlora.models.llama import CausalLM, from_params
+from jqlora.models.build import from_params
+from jqlora.models.llama import CausalLM
 
 
 def _check_config(path: str) -> None:

@@ -28,6 +28,8 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from jqlora.models.config import ModelConfig
 
@@ -57,15 +59,15 @@ FULL_RECOMPUTE = ("nothing_saveable", "offload_layer_inputs")
 MLP_CHUNK_TOKENS = 16384
 
 
+def _mlp_chunked(seq_len: int) -> bool:
+    return seq_len >= 2 * MLP_CHUNK_TOKENS and seq_len % MLP_CHUNK_TOKENS == 0
+
+
 def mlp_chunk_for(policy: Optional[Callable], seq_len: int) -> int:
     """Tokens per MLP chunk for a forward under `policy` over rows of `seq_len` tokens; 0 = the
     whole row at once (no chunking: a policy that keeps activations, or a short row)."""
-    full = {REMAT_POLICIES[n] for n in FULL_RECOMPUTE} | {jax.checkpoint_policies.nothing_saveable}
-    if policy is None or policy not in full:
-        return 0
-    if seq_len >= 2 * MLP_CHUNK_TOKENS and seq_len % MLP_CHUNK_TOKENS == 0:
-        return MLP_CHUNK_TOKENS
-    return 0
+    full_recompute = policy is not None and any(policy is REMAT_POLICIES[n] for n in FULL_RECOMPUTE)
+    return MLP_CHUNK_TOKENS if full_recompute and _mlp_chunked(seq_len) else 0
 
 # Of the device's memory, what a plan may use: XLA's temporaries, fragmentation and the compile
 # step's own scratch need the rest.
@@ -156,8 +158,7 @@ def activation_bytes_per_token(config: ModelConfig, policy: Optional[str], *, co
                 "host": 0}
     if policy in FULL_RECOMPUTE:
         mlp = 4 * i * s
-        chunked = seq_len >= 2 * MLP_CHUNK_TOKENS and seq_len % MLP_CHUNK_TOKENS == 0
-        transient = full + 4 * h * 4 - (mlp * (1 - MLP_CHUNK_TOKENS / seq_len) if chunked else 0)
+        transient = full + 4 * h * 4 - (mlp * (1 - MLP_CHUNK_TOKENS / seq_len) if _mlp_chunked(seq_len) else 0)
         kept = 0 if policy == "offload_layer_inputs" else n * h * s
         return {"kept": kept, "transient": int(transient), "host": n * h * s - kept}
     raise ValueError(f"no memory model for policy {policy!r}; expected one of {AUTO_ORDER}")
@@ -181,6 +182,14 @@ def _lora_train_bytes(config: ModelConfig, lora_rank: int) -> int:
     per_layer = lora_rank * (3 * c.hidden_size + c.q_features + 2 * c.kv_features + c.q_features
                              + 3 * (c.hidden_size + c.intermediate_size))
     return 3 * 4 * c.num_hidden_layers * per_layer
+
+
+def state_bytes(module) -> int:
+    """Bytes of every array of an NNX module (works on tracers: shapes and dtypes only; RNG keys
+    left out)."""
+    return int(sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(nnx.state(module)) if hasattr(a, "dtype")
+                   and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)))
 
 
 def device_memory() -> Optional[int]:

@@ -47,11 +47,11 @@ from flax import nnx
 
 from .checkpoint import (STATE_FILE, NonFiniteStateError, latest_checkpoint, list_checkpoints,
                          remove_stale_saves, restore_checkpoint, save_checkpoint)
+from .config import TrainConfig, tensorboard_available
 from .data import BatchIterator, SegmentTables
 from .examples import Example, load_jsonl, parse_example
 from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, write_loss_plot
-from .metrics_log import MetricsLog, tensorboard_available
-from .config import TrainConfig
+from .metrics_log import MetricsLog
 from .optim import make_optimizer, make_schedule
 from .run_length import resolve_run_length
 from .step import evaluate, train_step

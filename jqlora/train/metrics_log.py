@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from .config import tensorboard_available  # noqa: F401  (re-exported)
 from .logs import CSV_NAME, EVAL_CSV_NAME, CsvLog, naming_file
 
 __all__ = ["MetricsLog", "EventFile", "TB_DIR", "TRAIN_COLUMNS", "EVAL_COLUMNS",
-           "tensorboard_available", "perplexity"]
+           "perplexity"]
 
 TB_DIR = "tensorboard"
 TRAIN_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "grad_norm")

@@ -1,0 +1,185 @@
+"""Building a `CausalLM` from an HF-keyed params dict: `from_params` (what `load_causal_lm` runs
+after reading a checkpoint), its tensor source `_Source` (names and shapes checked, optional
+quantization or casting at build time, per-layer arrays deleted once stacked), and `init_params`
+(random params for tests and demos without a checkpoint)."""
+from __future__ import annotations
+
+import collections
+from typing import Any, Mapping, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jqlora import quant
+from jqlora.lora.apply import apply_lora
+from jqlora.lora.config import LoraConfig
+from jqlora.lora.linear import FrozenParam, QLoRALinear, base_shape
+from jqlora.models.config import ModelConfig
+from jqlora.models.llama import CausalLM
+
+
+class _Source:
+    """Hands tensors from an HF-keyed params dict to the layers, checking names and shapes.
+
+    params: quantized linear layers by MODULE name ("model.layers.0.self_attn.q_proj") as
+    Weight4bit / Int8Weight; everything else by full key ("model.norm.weight", "<module>.weight"
+    for a dense linear, "<module>.bias").
+
+    `quantize` applies only to params with no quantized weight at all: in a quantized checkpoint
+    a dense linear is dense on purpose (bitsandbytes' llm_int8_skip_modules, e.g. unsloth's
+    dynamic 4-bit), and transformers keeps it dense too."""
+
+    def __init__(self, params: Mapping[str, Any], *, quantize=None, compute_dtype=None, backend="auto",
+                 param_dtype=None, blocksize: int = 64, double_quant: bool = True, int8_numerics="weight_only",
+                 donate: bool = False):
+        if quantize not in (None, "nf4", "fp4", "int8"):
+            raise ValueError(f"quantize must be None, 'nf4', 'fp4' or 'int8', got {quantize!r}")
+        self.params = params
+        self.quantize = None if any(isinstance(v, (quant.Weight4bit, quant.Int8Weight))
+                                    for v in params.values()) else quantize
+        self.compute_dtype = compute_dtype
+        self.backend = backend
+        self.param_dtype = None if param_dtype is None else jnp.dtype(param_dtype)
+        self.blocksize = blocksize
+        self.double_quant = double_quant
+        self.int8_numerics = int8_numerics
+        self.donate = donate
+        self.used: set[str] = set()
+
+    def donation(self, layers) -> Optional[collections.Counter]:
+        """With donate=True: id(array) -> number of uses by the decoder layers, for the arrays that
+        stacking may delete after their last use; arrays the rest of the model also holds are
+        left out (never deleted)."""
+        if not self.donate:
+            return None
+        keep = {id(a) for k, v in self.params.items() if not k.startswith("model.layers.")
+                for a in jax.tree.leaves(v)}
+        uses = collections.Counter(id(a) for layer in layers for a in jax.tree.leaves(nnx.state(layer)))
+        for i in keep & set(uses):
+            uses[i] += 1 << 30
+        return uses
+
+    def _cast(self, a):
+        a = jnp.asarray(a)
+        if self.param_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
+            a = a.astype(self.param_dtype)
+        return a
+
+    def tensor(self, key: str, shape: tuple):
+        if key not in self.params:
+            raise KeyError(f"checkpoint is missing tensor {key!r}")
+        a = self.params[key]
+        if isinstance(a, (quant.Weight4bit, quant.Int8Weight)):
+            raise ValueError(f"{key}: expected a dense tensor, found a quantized {type(a).__name__}")
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{key}: shape {tuple(a.shape)} does not match the config's {tuple(shape)}")
+        self.used.add(key)
+        return self._cast(a)
+
+    def linear(self, name: str, out_f: int, in_f: int, bias: bool, *, quantizable: bool = True) -> QLoRALinear:
+        if name in self.params:
+            w, key = self.params[name], name
+        elif name + ".weight" in self.params:
+            w, key = self.params[name + ".weight"], name + ".weight"
+        else:
+            raise KeyError(f"checkpoint is missing tensor {name + '.weight'!r} (linear layer {name})")
+        if isinstance(w, (quant.Weight4bit, quant.Int8Weight)):
+            w.validate(name)
+        elif not (hasattr(w, "shape") and hasattr(w, "dtype")):
+            raise TypeError(f"{key}: expected an array or a quantized weight, got {type(w).__name__}")
+        shape = base_shape(w) if len(getattr(w, "shape", ())) == 2 else tuple(w.shape)
+        if shape != (out_f, in_f):
+            hint = " (it looks transposed: weights must be (out_features, in_features))" if shape == (in_f, out_f) else ""
+            raise ValueError(f"{key}: shape {shape} does not match the config's (out, in) = {(out_f, in_f)}{hint}")
+        self.used.add(key)
+        if not isinstance(w, (quant.Weight4bit, quant.Int8Weight)):
+            if self.quantize is not None and quantizable:
+                w = jnp.asarray(w)
+                w = quant.quantize_int8(w) if self.quantize == "int8" else quant.quantize_4bit(
+                    w, quant_type=self.quantize, blocksize=self.blocksize, double_quant=self.double_quant)
+            else:
+                w = self._cast(w)
+        b = None
+        if bias:
+            b = self.tensor(name + ".bias", (out_f,))
+        elif name + ".bias" in self.params:
+            raise ValueError(f"{name}.bias is in the checkpoint but the config says this layer has no bias")
+        dense = not isinstance(w, (quant.Weight4bit, quant.Int8Weight))
+        # A dense weight has no kernel: it always takes qmatmul's "auto" (jnp) path.
+        numerics = self.int8_numerics if isinstance(w, quant.Int8Weight) else "weight_only"
+        return QLoRALinear(w, bias=b, compute_dtype=self.compute_dtype, backend="auto" if dense else self.backend,
+                           numerics=numerics)
+
+
+# Keys a checkpoint may carry that the model does not need.
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], *, lora: Optional[LoraConfig] = None,
+                compute_dtype=jnp.bfloat16, quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None,
+                remat=False, backend: str = "auto", param_dtype=None, strict: bool = True,
+                int8_numerics: str = "weight_only", attention: str = "einsum",
+                donate_params: bool = False) -> CausalLM:
+    """Build a `CausalLM` from an HF-keyed params dict (as `interop.load_bnb_checkpoint` returns).
+
+    quantize: quantize dense linear weights at build time ("nf4", "fp4" with blocksize 64 and
+      double quantization, or "int8"); lm_head and embeddings stay dense (as bitsandbytes does).
+    param_dtype: cast dense (non-quantized) tensors to this dtype; None keeps the stored dtype.
+    lora: add LoRA to the matching linear layers (needs rngs; default nnx.Rngs(0)).
+    strict: raise if params holds tensors the model does not use (other than rotary buffers).
+    int8_numerics: for Int8Weight layers, "weight_only" (dequantize + matmul: what bitsandbytes'
+      training path computes) or "llm_int8" (bitsandbytes' inference numerics: int8 activations
+      with fp16 outliers above the checkpoint's llm_int8_threshold).
+    remat: False, True, "auto" or a policy name (see `CausalLM`).
+    donate_params: the decoder layers' weights are stacked into new arrays (one per weight kind,
+      leading axis = layer); with True the arrays of `params` that only the layers use are deleted
+      once stacked, so building needs about one weight kind of extra device memory rather than a
+      second copy of the layers. Only for a dict nobody reads afterwards (`load_causal_lm`'s).
+    """
+    cfg = ModelConfig.from_hf(config)
+    src = _Source(params, quantize=quantize, compute_dtype=compute_dtype, backend=backend, param_dtype=param_dtype,
+                  int8_numerics=int8_numerics, donate=donate_params)
+    model = CausalLM(cfg, src, compute_dtype=compute_dtype, remat=remat, backend=backend, attention=attention)
+    if strict:
+        unused = [k for k in params if k not in src.used and not k.endswith(_IGNORABLE_SUFFIXES)
+                  and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+        if unused:
+            raise ValueError(f"checkpoint tensors not used by the {cfg.model_type} model: {unused[:8]}"
+                             + (" ..." if len(unused) > 8 else ""))
+    if lora is not None:
+        apply_lora(model, lora, rngs if rngs is not None else nnx.Rngs(0))
+    return model
+
+
+def init_params(config: Union[Mapping, ModelConfig], seed: int = 0, dtype=jnp.float32, std: float = 0.02) -> dict:
+    """Random HF-keyed params (dense) for a config: for tests and demos without a checkpoint.
+    Linear/embedding weights ~ N(0, std); norm weights ~ 1 + N(0, 0.1); biases ~ N(0, std)."""
+    c = ModelConfig.from_hf(config)
+    rng = np.random.default_rng(seed)
+    normal = lambda shape: jnp.asarray(rng.normal(0.0, std, shape).astype(np.float32), dtype)  # noqa: E731
+    ones = lambda shape: jnp.asarray((1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32), dtype)  # noqa: E731
+    p = {"model.embed_tokens.weight": normal((c.vocab_size, c.hidden_size)),
+         "model.norm.weight": ones((c.hidden_size,))}
+    if not c.tie_word_embeddings:
+        p["lm_head.weight"] = normal((c.vocab_size, c.hidden_size))
+    for i in range(c.num_hidden_layers):
+        pre = f"model.layers.{i}"
+        lin = {"self_attn.q_proj": (c.q_features, c.hidden_size, c.qkv_bias),
+               "self_attn.k_proj": (c.kv_features, c.hidden_size, c.qkv_bias),
+               "self_attn.v_proj": (c.kv_features, c.hidden_size, c.qkv_bias),
+               "self_attn.o_proj": (c.hidden_size, c.q_features, c.o_bias),
+               "mlp.gate_proj": (c.intermediate_size, c.hidden_size, c.mlp_bias),
+               "mlp.up_proj": (c.intermediate_size, c.hidden_size, c.mlp_bias),
+               "mlp.down_proj": (c.hidden_size, c.intermediate_size, c.mlp_bias)}
+        for n, (o, i_, has_bias) in lin.items():
+            p[f"{pre}.{n}.weight"] = normal((o, i_))
+            if has_bias:
+                p[f"{pre}.{n}.bias"] = normal((o,))
+        p[f"{pre}.input_layernorm.weight"] = ones((c.hidden_size,))
+        p[f"{pre}.post_attention_layernorm.weight"] = ones((c.hidden_size,))
+        if c.qk_norm:
+            p[f"{pre}.self_attn.q_norm.weight"] = ones((c.head_dim,))
+            p[f"{pre}.self_attn.k_norm.weight"] = ones((c.head_dim,))
+    return p
