@@ -13,6 +13,7 @@ import math
 import struct
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -88,6 +89,33 @@ def test_the_optimizer_steps_by_the_chosen_schedule(kind):
         sizes.append(float(-updates["w"][0]))
     want = [closed_form(kind, lr, warmup, total, 0.25, c) for c in range(total)]
     np.testing.assert_allclose(sizes, want, rtol=1e-4)
+
+
+def test_the_loop_logs_each_lr_from_a_host_table_not_a_device_call(tmp_path, tok_path, monkeypatch):  # noqa: F811
+    """The logged learning rates are the schedule's, and the loop never evaluates the schedule on
+    a concrete step: on a GPU that call would queue behind the step in flight and its read-back
+    would stall the pipeline every step (only the traced table evaluation is allowed)."""
+    concrete_calls = []
+
+    def watched(*args, **kw):
+        schedule = T.make_schedule(*args, **kw)
+
+        def call(count):
+            if not isinstance(count, jax.core.Tracer):
+                concrete_calls.append(count)
+            return schedule(count)
+        return call
+
+    monkeypatch.setattr(loop, "make_schedule", watched)
+    data = write_jsonl(tmp_path / "d.jsonl", pattern_rows(24))
+    res = T.train(StubLM(), base_config(tmp_path, tok_path, data, steps=7, warmup=3, lr_schedule="linear",
+                                        final_lr_ratio=0.2))
+    assert concrete_calls == []
+    want = [closed_form("linear", 1e-2, 3, 7, 0.2, c) for c in range(7)]
+    np.testing.assert_allclose(res.lrs, want, rtol=2e-6)
+    table = T.schedule_table(T.make_schedule(1e-2, 3, 7, final_lr_ratio=0.2, kind="linear"), 7)
+    assert table.dtype == np.float32 and table.shape == (7,)
+    np.testing.assert_allclose(table, want, rtol=2e-6)
 
 
 # ------------------------------------------------------------------------------------------------

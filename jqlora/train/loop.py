@@ -52,7 +52,7 @@ from .data import BatchIterator, SegmentTables
 from .examples import Example, load_jsonl, parse_example
 from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, write_loss_plot
 from .metrics_log import MetricsLog
-from .optim import make_optimizer, make_schedule
+from .optim import make_optimizer, make_schedule, schedule_table
 from .run_length import resolve_run_length
 from .step import evaluate, train_step
 from .tokenization import check_tokenizer_fits, load_tokenizer, special_tokens, tokenize_examples
@@ -315,8 +315,9 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
     length = resolve_run_length(config, it)
     config = length.config
 
-    schedule = make_schedule(config.lr, config.warmup, config.steps,
-                             final_lr_ratio=config.final_lr_ratio, kind=config.lr_schedule)
+    lrs = schedule_table(make_schedule(config.lr, config.warmup, config.steps,
+                                       final_lr_ratio=config.final_lr_ratio, kind=config.lr_schedule),
+                         config.steps)
     tx = make_optimizer(config.lr, config.warmup, config.steps, config.weight_decay, config.b1,
                         config.b2, config.grad_clip, final_lr_ratio=config.final_lr_ratio,
                         lr_schedule=config.lr_schedule)
@@ -438,7 +439,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
         """Read a dispatched step's metrics, then log, evaluate, checkpoint and call on_step.
         False: on_step asked to stop."""
         m = {k: v.item() for k, v in jax.device_get(metrics).items()}
-        m["lr"] = float(schedule(step - 1))
+        m["lr"] = float(lrs[step - 1])
         if not m["ok"]:
             raise non_finite(step, m)
         tps = log.step(step, m, ntok_in)

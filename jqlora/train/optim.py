@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import numpy as np
 import optax
 
 from .config import LR_SCHEDULES
 
-__all__ = ["LR_SCHEDULES", "make_schedule", "make_optimizer"]
-
+__all__ = ["LR_SCHEDULES", "make_schedule", "make_optimizer", "schedule_table"]
 
 
 def make_schedule(lr: float, warmup_steps: int, total_steps: int, *,
@@ -53,6 +54,18 @@ def make_schedule(lr: float, warmup_steps: int, total_steps: int, *,
     warmup = (optax.linear_schedule(lr / warmup_steps, lr, warmup_steps - 1) if warmup_steps > 1
               else optax.constant_schedule(lr))
     return optax.join_schedules([warmup, after], [warmup_steps])
+
+
+def schedule_table(schedule: optax.Schedule, total_steps: int) -> np.ndarray:
+    """``schedule(c)`` for every count ``c`` in ``[0, total_steps)`` as a host float32 array, computed
+    once on the CPU backend.
+
+    The train loop logs each step's learning rate from this table. Calling the schedule per step
+    would run it on the default device, queued behind the step in flight: reading it back would
+    wait for that step, and the device would then idle while the host dispatches the next one."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(jax.jit(jax.vmap(schedule))(np.arange(max(int(total_steps), 1), dtype=np.int32)),
+                          np.float32)
 
 
 @functools.lru_cache(maxsize=32)
