@@ -13,6 +13,8 @@
 #                                           # 70B fsdp=4 at 2,048 and 16,384 tokens
 #   bash benchmarks/gpu_session.sh rerun    # 4 GPUs: decode hoisted vs scanned, offload memory check,
 #                                           # 70B fsdp=4 at 16,384 tokens
+#   bash benchmarks/gpu_session.sh startup  # the product path's start-up profiled: 1B checkpoint,
+#                                           # `jqlora generate`/`train` cold then warm (cProfile, compile log)
 #   bash benchmarks/gpu_session.sh product [1b|8b]  # the product path: `jqlora train`/`generate` with
 #                                                   # defaults, cold and warm cache, vs torch (<= 9.5 min)
 # Carry `.whl` (bitsandbytes wheel, see docs/benchmarks.md). Results land in $OUT.
@@ -50,6 +52,28 @@ case "${1:-tests}" in
     # every part has its own time limit inside a 560 s budget; what does not fit is recorded as skipped
     timeout 590 python3 -m benchmarks.product_bench --shape "${2:-1b}" --out "$OUT" --workdir /tmp 2>&1 \
       | tee "$OUT/product_${2:-1b}.log" | tail -20 ;;
+  startup)
+    # where the seconds of a warm start go: cold runs fill the cache, then warm runs under cProfile
+    # (profiles in $OUT/*.prof, top entries in startup.log) and one with JAX's compile log
+    w=/tmp/startup; rm -rf $w; mkdir -p $w; log="$OUT/startup.log"; TIMEFORMAT="%R s wall"
+    timeout 150 python3 -m benchmarks.product_bench checkpoint 1b $w/ckpt > "$log" 2>&1
+    python3 -c "from pathlib import Path; from benchmarks.product_bench import write_data as w; w(Path('$w/data.jsonl'), 2048, 40)"
+    export JQLORA_COMPILE_CACHE=$w/cache
+    gen="-m jqlora.cli generate $w/ckpt --prompt-ids 5,12,19,26,33 --max-new-tokens 256 --timing"
+    trn="-m jqlora.cli train --model $w/ckpt --data-path $w/data.jsonl --seq-len 2048 --batch-size 1 --steps 30 --log-every 1"
+    for run in cold warm; do
+      echo "== generate $run" >> "$log"; { time timeout 120 python3 $gen >> "$log" 2>&1; } 2>> "$log"
+      echo "== train $run" >> "$log"; { time timeout 150 python3 $trn --out-dir $w/run-$run >> "$log" 2>&1; } 2>> "$log"
+      cp $w/run-$run/loss.csv "$OUT/train_$run.csv"
+    done
+    timeout 60 python3 -m cProfile -o "$OUT/generate_warm.prof" $gen >> "$log" 2>&1
+    timeout 100 python3 -m cProfile -o "$OUT/train_warm.prof" $trn --steps 8 --out-dir $w/run-prof >> "$log" 2>&1
+    JAX_LOG_COMPILES=1 timeout 60 python3 $gen > "$OUT/generate_compiles.log" 2>&1
+    JAX_LOG_COMPILES=1 timeout 100 python3 $trn --steps 4 --out-dir $w/run-log > "$OUT/train_compiles.log" 2>&1
+    for f in generate_warm train_warm; do
+      python3 -c "import pstats; s = pstats.Stats('$OUT/$f.prof'); s.sort_stats('cumulative').print_stats(80); s.sort_stats('tottime').print_stats(30)" > "$OUT/$f.txt"
+    done
+    grep -v "Loading weights\|Writing model" "$log" | tail -40; grep -c "Compiling\|compil" "$OUT"/*_compiles.log ;;
   scale-a)
     # three independent jobs on disjoint GPUs of one 4-GPU machine, each with its own time limit:
     # decode profile 1B and 8B (GPU 0) | 8B long context (GPU 1) | 70B fsdp=2 under 40 GB (GPUs 2,3)
