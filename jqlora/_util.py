@@ -15,18 +15,25 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def quiet_third_party() -> None:
     """Silence import-time chatter of bitsandbytes/transformers (warnings about optional kernels,
-    progress bars for tiny checkpoints). Real errors still raise."""
+    progress bars for tiny checkpoints). Real errors still raise.
+
+    Imports nothing: transformers takes seconds to import and most commands never use it. Its
+    environment variables quiet it if it is imported later; an already imported one is set here."""
+    import sys  # noqa: PLC0415
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for name in ("bitsandbytes", "transformers", "peft", "accelerate", "jax._src.xla_bridge"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    try:  # only when transformers is importable; never required here
-        import transformers  # noqa: PLC0415
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except Exception:  # noqa: BLE001
-        pass
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:
+        try:
+            transformers.utils.logging.set_verbosity_error()
+            transformers.utils.logging.disable_progress_bar()
+        except Exception:  # noqa: BLE001 - a partly imported or unusual transformers
+            pass
 
 
 def jnp_dtype(name: str):

@@ -57,6 +57,33 @@ def test_help_imports_neither_jax_nor_torch():
     assert all(not mods for mods in heavy.values()), heavy
 
 
+def test_generate_and_train_import_neither_torch_nor_transformers(tmp_path):
+    """`jqlora generate` and `jqlora train` on a bitsandbytes-format checkpoint run on jax alone:
+    importing transformers took 3 s of every warm start on the GPU machine."""
+    script = f"""
+import json, sys
+import interop, jax.numpy as jnp
+from pathlib import Path
+from jqlora.cli import main
+from jqlora.demo import task
+from jqlora.models import init_params
+config = {{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "vocab_size": task.MODEL_VOCAB_SIZE}}
+ckpt = Path({str(tmp_path)!r}) / "ckpt"
+interop.save_bnb_checkpoint(ckpt, init_params(config), config)
+task.save_tokenizer(ckpt)
+(ckpt.parent / "d.jsonl").write_text('{{"text": "abcabc"}}\\n' * 8)
+rcs = [main(["generate", str(ckpt), "--prompt-ids", "5,6", "--max-new-tokens", "2"]),
+       main(["train", "--model", str(ckpt), "--data-path", str(ckpt.parent / "d.jsonl"), "--seq-len", "16",
+             "--batch-size", "1", "--steps", "1", "--quantize", "nf4", "--out-dir", str(ckpt.parent / "run")])]
+print(json.dumps([rcs, sorted(m for m in ("torch", "transformers", "bitsandbytes", "peft") if m in sys.modules)]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=_env(JQLORA_COMPILE_CACHE="0"), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[0, 0], []]
+
+
 def test_no_compile_cache_flag_before_or_after_the_command():
     for argv in (["--no-compile-cache", "generate", "m", "--prompt-ids", "1"],
                  ["generate", "m", "--prompt-ids", "1", "--no-compile-cache"]):

@@ -58,14 +58,13 @@ def make_schedule(lr: float, warmup_steps: int, total_steps: int, *,
 
 def schedule_table(schedule: optax.Schedule, total_steps: int) -> np.ndarray:
     """``schedule(c)`` for every count ``c`` in ``[0, total_steps)`` as a host float32 array, computed
-    once on the CPU backend.
+    in one call before training starts.
 
     The train loop logs each step's learning rate from this table. Calling the schedule per step
     would run it on the default device, queued behind the step in flight: reading it back would
     wait for that step, and the device would then idle while the host dispatches the next one."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        return np.asarray(jax.jit(jax.vmap(schedule))(np.arange(max(int(total_steps), 1), dtype=np.int32)),
-                          np.float32)
+    counts = np.arange(max(int(total_steps), 1), dtype=np.int32)
+    return np.asarray(jax.device_get(jax.jit(jax.vmap(schedule))(counts)), np.float32)
 
 
 @functools.lru_cache(maxsize=32)
