@@ -48,7 +48,15 @@ unquantized floating tensor must be finite. One NaN scale makes a whole block (o
 weight NaN, and one NaN weight makes every logit NaN downstream, so this is checked at load,
 where the tensor can still be named: one fused reduction per tensor on the device it was put on,
 queued asynchronously and fetched once at the end (a few bytes back to the host, never a host
-copy of the model). An unquantized ``.weight`` / ``.bias`` must have a floating dtype.
+copy of the model); a tensor staged on the host (``device="stage"``) is checked there. An
+unquantized ``.weight`` / ``.bias`` must have a floating dtype.
+
+Staging (``device="stage"``): a transfer to a GPU costs milliseconds of latency per call, and a
+checkpoint holds hundreds of small tensors (a 4-bit weight alone is six), so placing each as it is
+read takes seconds. Staged, the quantized weights' parts and every tensor under ``STAGE_MAX``
+elements stay numpy arrays (read-only views of the files, checked on the host) for the caller to
+stack and transfer in bulk; larger floating tensors (embeddings, dense weights) still go to the
+default device as read, where they are checked and may be quantized.
 """
 from __future__ import annotations
 
@@ -170,6 +178,15 @@ def _some(names, n: int = 6) -> str:
 # value checks (NaN / Inf / negative scales)
 
 
+STAGE_MAX = 1 << 20  # elements: a floating tensor this large goes to the device even when staging
+
+
+def _host_value_flags(x: np.ndarray, scale: bool) -> tuple[bool, bool]:
+    """`_value_flags` of a host array (staged tensors are small or scales: cheap in numpy)."""
+    x = np.asarray(x, np.float32)
+    return bool(np.isfinite(x).all()), not (scale and bool(np.signbit(x).any()))
+
+
 @functools.partial(jax.jit, static_argnames="scale")
 def _value_flags(x, scale: bool):
     """[all finite, no sign bit set (scales only; True otherwise)] of `x`: one fused pass on its
@@ -190,7 +207,8 @@ class _ValueChecks:
 
     def add(self, key: str, arr, *, scale: bool, what: str):
         if self.enabled and jnp.issubdtype(arr.dtype, jnp.floating):
-            self.pending.append((key, arr, scale, what, _value_flags(arr, scale=scale)))
+            flags = _host_value_flags(arr, scale) if isinstance(arr, np.ndarray) else _value_flags(arr, scale=scale)
+            self.pending.append((key, arr, scale, what, flags))
 
     def raise_first(self):
         flags = jax.device_get([p[-1] for p in self.pending])
@@ -211,8 +229,9 @@ class _ValueChecks:
 # loading
 
 
-def _get(ctx, key, *, dtypes=None, shape=None, what=None):
-    """Read one tensor (owned numpy copy) with dtype/shape checks that name it."""
+def _get(ctx, key, *, dtypes=None, shape=None, what=None, copy=True):
+    """Read one tensor (an owned numpy copy, or with copy=False a read-only view of the file) with
+    dtype/shape checks that name it."""
     if key not in ctx.ckpt:
         raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {key!r}" + (f" ({what})" if what else ""))
     info = ctx.ckpt.info(key)
@@ -220,7 +239,7 @@ def _get(ctx, key, *, dtypes=None, shape=None, what=None):
         raise ctx.fail(key, f"dtype {info.dtype}, expected {' or '.join(dtypes)}")
     if shape is not None and info.shape != tuple(shape):
         raise ctx.fail(key, f"shape {list(info.shape)}, expected {list(shape)}" + (f" ({what})" if what else ""))
-    return ctx.ckpt.get(key, copy=True)
+    return ctx.ckpt.get(key, copy=copy)
 
 
 def _parse_quant_state(ctx, key: str, qt_from_key: str) -> dict:
@@ -305,7 +324,7 @@ def _parse_4bit(ctx, module: str, parts: dict[str, str]) -> dict:
                 nested=nested, n=n, nb=nb, npacked=npacked, state=state)
 
 
-def _build_4bit(ctx, s: dict, put) -> Weight4bit:
+def _build_4bit(ctx, s: dict, put, copy: bool = True) -> Weight4bit:
     wkey, bs, n, nb, npacked = s["wkey"], s["bs"], s["n"], s["nb"], s["npacked"]
     if wkey not in ctx.ckpt:
         raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {wkey!r} (packed 4-bit codes of {s['module']!r})")
@@ -313,13 +332,13 @@ def _build_4bit(ctx, s: dict, put) -> Weight4bit:
     if not (len(info.shape) == 1 or len(info.shape) == 2 and info.shape[1] == 1):
         raise ctx.fail(wkey, f"packed 4-bit weight has shape {list(info.shape)}; bitsandbytes stores a column "
                              "((n + 1) // 2, 1)")
-    packed = ctx.ckpt.get(wkey, copy=True).reshape(-1).view(np.uint8)
+    packed = ctx.ckpt.get(wkey, copy=copy).reshape(-1).view(np.uint8)
     if packed.shape[0] != npacked:
         raise ctx.fail(wkey, f"packed length {packed.shape[0]} bytes != (n + 1) // 2 = {npacked} for shape "
                              f"{list(s['shape'])} (n = {n})")
     akey = wkey + ".absmax"
     adtype = "U8" if s["nested"] else "F32"
-    absmax = _get(ctx, akey, dtypes=(adtype,))
+    absmax = _get(ctx, akey, dtypes=(adtype,), copy=copy)
     if absmax.shape != (nb,):
         raise ctx.fail(akey, f"absmax length {list(absmax.shape)} != ceil(n / blocksize) = ceil({n} / {bs}) = {nb}")
     qkey = wkey + ".quant_map"
@@ -330,7 +349,7 @@ def _build_4bit(ctx, s: dict, put) -> Weight4bit:
     if s["nested"]:
         ng = -(-nb // NESTED_BLOCKSIZE)
         nkey, nmkey = wkey + ".nested_absmax", wkey + ".nested_quant_map"
-        nabs = _get(ctx, nkey, dtypes=("F32",))
+        nabs = _get(ctx, nkey, dtypes=("F32",), copy=copy)
         if nabs.shape != (ng,):
             raise ctx.fail(nkey, f"nested_absmax length {list(nabs.shape)} != ceil(nblocks / 256) = {ng}")
         nmap = _get(ctx, nmkey, dtypes=("F32",), shape=(256,))
@@ -347,7 +366,7 @@ def _build_4bit(ctx, s: dict, put) -> Weight4bit:
         raise ctx.fail(wkey, str(e)) from e
 
 
-def _load_int8(ctx, module: str, parts: dict[str, str], threshold: float, put) -> Int8Weight:
+def _load_int8(ctx, module: str, parts: dict[str, str], threshold: float, put, copy: bool = True) -> Int8Weight:
     wkey, skey, fkey = module + ".weight", module + ".SCB", module + ".weight_format"
     if wkey not in ctx.ckpt:
         raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {wkey!r} (int8 weight of {module!r}; "
@@ -365,11 +384,11 @@ def _load_int8(ctx, module: str, parts: dict[str, str], threshold: float, put) -
     winfo = ctx.ckpt.info(wkey)
     if winfo.dtype != "I8" or len(winfo.shape) != 2:
         raise ctx.fail(wkey, f"8-bit weight is {winfo.dtype} {list(winfo.shape)}, expected int8 (out, in)")
-    scb = _get(ctx, skey, dtypes=("F32",))
+    scb = _get(ctx, skey, dtypes=("F32",), copy=copy)
     if scb.shape != (winfo.shape[0],):
         raise ctx.fail(skey, f"SCB shape {list(scb.shape)} != ({winfo.shape[0]},), the rows of {wkey!r} "
                              f"{list(winfo.shape)}")
-    cb = ctx.ckpt.get(wkey, copy=True)
+    cb = ctx.ckpt.get(wkey, copy=copy)
     q = Int8Weight(cb=put(cb), scb=put(scb), threshold=float(threshold))
     try:
         return q.validate(module)
@@ -398,13 +417,16 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
                         check_values: bool = True) -> tuple[dict, dict]:
     """Load a (bitsandbytes-quantized or plain) HF checkpoint directory into JAX.
 
-    Tensors are read one at a time and ``jax.device_put`` as read; no torch needed.
+    Tensors are read one at a time and ``jax.device_put`` as read (or staged on the host); no torch
+    needed.
 
     Args:
       path: the checkpoint directory (config.json + model.safetensors or a sharded index).
       transposed: "error" (default) or "dequantize"; see the module docstring.
-      device: where the arrays go (default: JAX's default device), or a callable
-        ``put(numpy array) -> jax.Array`` that places each tensor as it is read.
+      device: where the arrays go (default: JAX's default device), a callable
+        ``put(numpy array) -> jax.Array`` that places each tensor as it is read, or ``"stage"``:
+        quantized weights' parts and tensors under ``STAGE_MAX`` elements stay numpy arrays
+        (module docstring, staging) for the caller to transfer in bulk.
       check_values: check that scales are finite and not negative and unquantized floating
         tensors finite (module docstring); False skips it (only to measure what it costs).
 
@@ -440,8 +462,19 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
                     f"{path / 'config.json'}: quantization_config.quant_method is {method!r}; jqlora reads "
                     f"bitsandbytes-quantized or unquantized checkpoints only")
 
+        staging = isinstance(device, str) and device == "stage"
+
         def put(arr):  # a callable device places each tensor itself (e.g. onto its shards)
-            return device(arr) if callable(device) else jax.device_put(arr, device)
+            return device(arr) if callable(device) else jax.device_put(arr, None if staging else device)
+
+        def put_quantized(arr):  # a part of a quantized weight: staged as it is
+            return arr if staging else put(arr)
+
+        def put_tensor(key):  # an unquantized tensor: staged unless a large floating one
+            info = ckpt.info(key)
+            if staging and (math.prod(info.shape) < STAGE_MAX or not jnp.issubdtype(info.np_dtype, jnp.floating)):
+                return ckpt.get(key)
+            return put(ckpt.get(key, copy=True))
 
         params: dict = {}
         claimed = set()
@@ -450,7 +483,7 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
             parts = fourbit[m]
             s = _parse_4bit(ctx, m, parts)
             dense_t = _check_shape(ctx, config, m, s["qs_key"], s["shape"], transposed)
-            q = _build_4bit(ctx, s, put)
+            q = _build_4bit(ctx, s, put_quantized, copy=not staging)
             if s["nested"]:
                 checks.add(s["wkey"] + ".nested_absmax", q.nested_absmax, scale=True, what="nested_absmax")
             else:
@@ -466,7 +499,7 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
             parts = int8[m]
             dense_t = m + ".weight" in ckpt and _check_shape(ctx, config, m, m + ".weight",
                                                              ckpt.info(m + ".weight").shape, transposed)
-            q = _load_int8(ctx, m, parts, threshold, put)
+            q = _load_int8(ctx, m, parts, threshold, put_quantized, copy=not staging)
             checks.add(m + ".SCB", q.scb, scale=True, what="SCB (int8 row scales)")
             if dense_t:
                 params[m + ".weight"] = dequantize(q, jnp.float32).T
@@ -486,7 +519,7 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
             if key.endswith((".weight", ".bias")) and not jnp.issubdtype(info.np_dtype, jnp.floating):
                 raise ctx.fail(key, f"dtype {info.dtype}: an unquantized weight or bias must be floating point "
                                     "(F16, BF16, F32, F64)")
-            params[key] = put(ckpt.get(key, copy=True))
+            params[key] = put_tensor(key)
             checks.add(key, params[key], scale=False, what="unquantized tensor")
         checks.raise_first()
         if fourbit or int8:

@@ -200,6 +200,62 @@ def test_load_plain_checkpoint(tmp_path_factory):
         assert cf.same_bits(params[k], cf.tensor_to_numpy(t)), k
 
 
+@pytest.mark.parametrize("name", ["nf4", "int8", "storage"])
+def test_staged_load_keeps_quantized_parts_on_the_host_with_the_same_values(ckpt, loaded, name):
+    """device="stage": the quantized weights' parts and small tensors are numpy arrays (checked on
+    the host) holding exactly what the default load puts on the device."""
+    staged, config = load_bnb_checkpoint(ckpt(name), device="stage")
+    placed, _ = loaded(name)
+    assert staged.keys() == placed.keys()
+    for key, value in staged.items():
+        got, want = jax.tree.leaves(value), jax.tree.leaves(placed[key])
+        assert len(got) == len(want), key
+        for g, w in zip(got, want):
+            assert isinstance(g, np.ndarray), (key, type(g))  # the tiny model's tensors are all small
+            assert g.dtype == w.dtype and np.array_equal(g, np.asarray(w)), key
+
+
+def _count_device_puts(monkeypatch) -> list:
+    calls = []
+    real = jax.device_put
+
+    def counting(x, *args, **kw):
+        calls.append(len(jax.tree.leaves(x)))
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(jax, "device_put", counting)
+    return calls
+
+
+def test_load_causal_lm_transfers_in_bulk_whatever_the_depth(tmp_path_factory, monkeypatch):
+    """One device: loading moves the staged tensors in one transfer of stacked arrays, so the number
+    of transfer calls does not grow with the layers (a 4-bit weight was six calls per layer, each
+    milliseconds on a GPU). The model is the one built from the default (unstaged) load: the same
+    logits, every array on the device."""
+    from jqlora import models
+
+    counts = {}
+    for layers in (2, 5):
+        path = cf.cached_llama_checkpoint(tmp_path_factory, quant="nf4", double_quant=True,
+                                          config_overrides=dict(num_hidden_layers=layers))
+        with monkeypatch.context() as m:
+            calls = _count_device_puts(m)
+            model = models.load_causal_lm(path, compute_dtype=jnp.float32)
+        counts[layers] = len(calls)
+        leaves = jax.tree.leaves(nnx_state(model))
+        assert leaves and all(isinstance(a, jax.Array) for a in leaves)
+        reference = models.from_params(*load_bnb_checkpoint(path), compute_dtype=jnp.float32)
+        ids = jnp.asarray([[1, 5, 9, 2]])
+        np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(reference(ids)))
+    assert counts[2] == counts[5] <= 2, counts
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model)
+
+
 @pytest.mark.parametrize("name", ["nf4", "fp4", "int8"])
 def test_bnb_jax_bnb_round_trip_is_byte_identical(ckpt, loaded, tmp_path, name):
     params, config = loaded(name)

@@ -17,6 +17,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jqlora import ops as _ops
@@ -42,11 +43,18 @@ def base_shape(base) -> tuple[int, int]:
     return shape
 
 
+def host_or_device(a):
+    """`a` as an array of a frozen parameter: a numpy array stays on the host (a staged checkpoint's
+    tensor, which the model builder stacks and moves in bulk: `jqlora.models.build.to_device`);
+    anything else becomes a jax array."""
+    return a if isinstance(a, np.ndarray) else jnp.asarray(a)
+
+
 def _check_base(base):
     if isinstance(base, (quant.Weight4bit, quant.Int8Weight)):
         return base
     if hasattr(base, "shape") and hasattr(base, "dtype"):
-        return jnp.asarray(base)
+        return host_or_device(base)
     raise TypeError(f"QLoRALinear base must be a Weight4bit, an Int8Weight or an (out, in) array, got {type(base).__name__}")
 
 
@@ -127,7 +135,7 @@ class QLoRALinear(nnx.Module):
         self.out_features, self.in_features = base_shape(base)
         self.base = QuantizedBase(base)
         if bias is not None:
-            bias = jnp.asarray(bias)
+            bias = host_or_device(bias)
             if tuple(bias.shape) != (self.out_features,):
                 raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({self.out_features},)")
             self.bias = FrozenParam(bias)

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 __all__ = ["LayerStack", "StackedLayers", "stacked_view", "stack_modules"]
@@ -29,6 +30,8 @@ def _stack(parts):
     if _is_key(parts[0]):
         return jax.random.wrap_key_data(jnp.stack([jax.random.key_data(p) for p in parts]),
                                         impl=jax.random.key_impl(parts[0]))
+    if all(isinstance(p, np.ndarray) for p in parts):  # staged on the host: stacked there, moved later
+        return np.stack(parts)
     return jnp.stack(parts)
 
 

@@ -62,8 +62,11 @@ class _Source:
         return uses
 
     def _cast(self, a):
-        a = jnp.asarray(a)
-        if self.param_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
+        """The tensor in `param_dtype` (floating ones); a host (numpy) array stays on the host:
+        `from_params` moves every host array to the device at the end, in one transfer."""
+        if not isinstance(a, np.ndarray):
+            a = jnp.asarray(a)
+        if self.param_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != self.param_dtype:
             a = a.astype(self.param_dtype)
         return a
 
@@ -148,9 +151,26 @@ def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], 
         if unused:
             raise ValueError(f"checkpoint tensors not used by the {cfg.model_type} model: {unused[:8]}"
                              + (" ..." if len(unused) > 8 else ""))
+    to_device(model)
     if lora is not None:
         apply_lora(model, lora, rngs if rngs is not None else nnx.Rngs(0))
     return model
+
+
+def to_device(model: nnx.Module) -> None:
+    """Move every host (numpy) array of `model` to JAX's default device in one `device_put`.
+
+    A staged checkpoint (`interop.load_bnb_checkpoint(device="stage")`) leaves the quantized
+    weights' parts and small tensors on the host; stacked per layer kind they are a few dozen
+    arrays, where transferring each tensor as read was hundreds of calls of milliseconds each."""
+    state = nnx.state(model)
+    leaves, treedef = jax.tree.flatten(state)
+    host = [i for i, a in enumerate(leaves) if isinstance(a, np.ndarray)]
+    if not host:
+        return
+    for i, a in zip(host, jax.device_put([leaves[i] for i in host])):
+        leaves[i] = a
+    nnx.update(model, jax.tree.unflatten(treedef, leaves))
 
 
 def init_params(config: Union[Mapping, ModelConfig], seed: int = 0, dtype=jnp.float32, std: float = 0.02) -> dict:

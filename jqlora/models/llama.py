@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jqlora import ops as _ops
 from jqlora import parallel
 from jqlora import quant
-from jqlora.lora.linear import FrozenParam, QLoRALinear
+from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
 from jqlora.lora.stacked import LayerStack, StackedLayers
 from jqlora.models import packed_attention
 from jqlora.models.cache import KVCache
@@ -51,7 +51,7 @@ class RMSNorm(nnx.Module):
     """HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in float32, back to x.dtype, times weight."""
 
     def __init__(self, weight, eps: float):
-        self.weight = FrozenParam(jnp.asarray(weight))
+        self.weight = FrozenParam(host_or_device(weight))
         self.eps = float(eps)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -62,7 +62,7 @@ class RMSNorm(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, weight):
-        weight = jnp.asarray(weight)
+        weight = host_or_device(weight)
         if weight.ndim != 2:
             raise ValueError(f"embedding weight must be 2-D (vocab, hidden), got shape {weight.shape}")
         self.weight = FrozenParam(weight)

@@ -83,7 +83,9 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
     if os.path.isdir(path):
         _check_config(path)  # fail on config.json before reading any tensor
     mesh = None if mesh is None else parallel.resolve_mesh(mesh)
-    params, config = interop.load_bnb_checkpoint(path, device=None if mesh is None else parallel.placement(mesh))
+    # one device: stage the quantized parts and small tensors on the host, stacked per layer kind
+    # and moved in one transfer by from_params; a mesh places each tensor onto its shards as read
+    params, config = interop.load_bnb_checkpoint(path, device="stage" if mesh is None else parallel.placement(mesh))
     model = from_params(params, config, lora=lora, compute_dtype=compute_dtype, quantize=quantize, rngs=rngs,
                        remat=remat, backend=backend, param_dtype=param_dtype, int8_numerics=int8_numerics,
                        attention=attention, donate_params=True)  # the dict is ours: stack without a second copy
