@@ -15,6 +15,8 @@
 #                                           # 70B fsdp=4 at 16,384 tokens
 #   bash benchmarks/gpu_session.sh startup  # the product path's start-up profiled: 1B checkpoint,
 #                                           # `jqlora generate`/`train` cold then warm (cProfile, compile log)
+#   bash benchmarks/gpu_session.sh long-context  # one 8B step of 360,448 tokens, remat auto, on one
+#                                                # card (an 80 GB H100: nvidia-h100-x1)
 #   bash benchmarks/gpu_session.sh product [1b|8b]  # the product path: `jqlora train`/`generate` with
 #                                                   # defaults, cold and warm cache, vs torch (<= 9.5 min)
 # Carry `.whl` (bitsandbytes wheel, see docs/benchmarks.md). Results land in $OUT.
@@ -52,6 +54,10 @@ case "${1:-tests}" in
     # every part has its own time limit inside a 560 s budget; what does not fit is recorded as skipped
     timeout 590 python3 -m benchmarks.product_bench --shape "${2:-1b}" --out "$OUT" --workdir /tmp 2>&1 \
       | tee "$OUT/product_${2:-1b}.log" | tail -20 ;;
+  long-context)
+    timeout 585 python3 -m benchmarks.train_bench --side jax --attention cudnn --shape 8b --seq 360448 --steps 0 \
+      --remat auto > "$OUT/long_360k.jsonl" 2> "$OUT/long_360k.log"
+    echo "rc $?"; grep -v "^  " "$OUT/long_360k.log" | tail -8; cat "$OUT/long_360k.jsonl"; free -g; nvidia-smi --query-gpu=name,memory.total --format=csv ;;
   startup)
     # where the seconds of a warm start go: cold runs fill the cache, then warm runs under cProfile
     # (profiles in $OUT/*.prof, top entries in startup.log) and one with JAX's compile log
