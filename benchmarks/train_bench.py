@@ -436,6 +436,9 @@ def main(argv=None):
                    help="jax side, one device: compile the step at each of these sequence lengths "
                         "(e.g. 131072,262144) and print XLA's memory analysis; nothing runs")
     a = p.parse_args(argv)
+    from jqlora._util import raise_host_offload_limit
+
+    raise_host_offload_limit()  # as the CLI does: offloaded layer inputs past XLA's 64 GB default
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")

@@ -36,6 +36,46 @@ def quiet_third_party() -> None:
             pass
 
 
+# XLA's cap on the pinned host memory of one GPU (offloaded activations): 64 GB unless this is set.
+HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+XLA_HOST_LIMIT_GB = 64
+HOST_LIMIT_SHARE = 0.85  # of the machine's RAM, when that is above XLA's default
+
+
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def raise_host_offload_limit(environ=None, ram_bytes: int | None = None) -> int:
+    """Let XLA pin up to `HOST_LIMIT_SHARE` of the RAM for offloaded activations (remat policy
+    `offload_layer_inputs`), where that is more than XLA's 64 GB default and the user has not set
+    `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`: the default made a step that `remat="auto"` planned with
+    88 GiB of layer inputs in host memory fail on a 128 GiB machine. Takes effect when set before
+    the GPU client starts (the CLI calls it first). Returns the limit in GB now in force."""
+    env = os.environ if environ is None else environ
+    if env.get(HOST_LIMIT_ENV):
+        return host_offload_limit_gb(env)
+    ram = physical_memory() if ram_bytes is None else ram_bytes
+    gb = int(HOST_LIMIT_SHARE * ram / 2**30) if ram else 0
+    if gb > XLA_HOST_LIMIT_GB:
+        env[HOST_LIMIT_ENV] = str(gb)
+        return gb
+    return XLA_HOST_LIMIT_GB
+
+
+def host_offload_limit_gb(environ=None) -> int:
+    """The pinned host memory XLA lets one GPU use, in GB: `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, else 64."""
+    env = os.environ if environ is None else environ
+    try:
+        return max(int(float(env.get(HOST_LIMIT_ENV, "") or XLA_HOST_LIMIT_GB)), 0)
+    except ValueError:
+        return XLA_HOST_LIMIT_GB
+
+
 def jnp_dtype(name: str):
     """The jnp dtype of a compute-dtype name.
 
@@ -136,7 +176,7 @@ def fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-__all__ = ["DTYPES", "quiet_third_party", "jnp_dtype", "default_compute_dtype", "fmt_bytes", "ATTENTION_CHOICES",
+__all__ = ["DTYPES", "quiet_third_party", "raise_host_offload_limit", "host_offload_limit_gb", "physical_memory", "jnp_dtype", "default_compute_dtype", "fmt_bytes", "ATTENTION_CHOICES",
            "ATTENTION_AUTO_HELP", "cudnn_attention_available", "resolve_attention", "resolve_remat"]
 
 

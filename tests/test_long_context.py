@@ -112,6 +112,7 @@ def test_offload_keeps_layer_inputs_in_host_memory(policy):
 def _plan(seq_len, **kw):
     from benchmarks.train_bench import hf_config
 
+    kw.setdefault("host_bytes", 108 * 10**9)  # what the CLI lets XLA pin on a 128 GiB machine
     return models.remat_plan(hf_config("8b"), 1, seq_len, device_bytes=79 * GIB, **kw)
 
 
@@ -128,6 +129,45 @@ def test_remat_plan_offloads_only_sequences_whose_layer_inputs_fill_the_device()
     assert 39.3 * GIB <= device <= 1.3 * 39.3 * GIB, device / GIB
     host = 360448 * 32 * 4096 * 2  # every layer's bf16 input
     assert host == 88 * GIB and "88.0 GiB of layer inputs in host memory" in long.reason, long.reason
+
+
+def test_remat_plan_offloads_no_more_than_xla_may_pin(monkeypatch):
+    """The 88 GiB of layer inputs at 360,448 tokens do not fit XLA's default 64 GB of pinned host
+    memory (a run failed allocating them): the plan says so instead of choosing the offload; with
+    the limit raised (the env variable XLA reads, or `host_bytes`) it offloads."""
+    from jqlora._util import HOST_LIMIT_ENV
+
+    monkeypatch.setenv(HOST_LIMIT_ENV, "")  # XLA's default (restored afterwards)
+    capped = _plan(360448, host_bytes=None)
+    assert capped.policy == "offload_layer_inputs" and "may not fit" in capped.reason, capped.reason
+    assert HOST_LIMIT_ENV in capped.reason and "over XLA's limit of 59.6 GiB" in capped.reason, capped.reason
+    monkeypatch.setenv(HOST_LIMIT_ENV, "106")
+    raised = _plan(360448, host_bytes=None)
+    assert "may not fit" not in raised.reason and "88.0 GiB of layer inputs" in raised.reason, raised.reason
+    assert _plan(131072, host_bytes=1).policy == "nothing_saveable"  # no offload: the limit is moot
+
+
+def test_the_cli_raises_xla_host_limit_from_the_ram():
+    from jqlora._util import HOST_LIMIT_ENV, raise_host_offload_limit
+
+    env = {}
+    assert raise_host_offload_limit(env, ram_bytes=125 * GIB) == 106 and env == {HOST_LIMIT_ENV: "106"}
+    env = {}
+    assert raise_host_offload_limit(env, ram_bytes=32 * GIB) == 64 and env == {}  # never lowered
+    env = {HOST_LIMIT_ENV: "20"}
+    assert raise_host_offload_limit(env, ram_bytes=512 * GIB) == 20 and env == {HOST_LIMIT_ENV: "20"}
+
+
+def test_the_cli_sets_the_host_limit_before_its_command(monkeypatch):
+    from jqlora import _util
+    from jqlora.cli import main
+
+    monkeypatch.setenv(_util.HOST_LIMIT_ENV, "")  # unset for the CLI; restored afterwards
+    monkeypatch.setattr(_util, "physical_memory", lambda: 200 * GIB)
+    assert main(["explain-kernel", "--weight", "nf4", "--m", "1", "--n", "64", "--k", "64", "--device", "cpu"]) == 0
+    import os
+
+    assert os.environ[_util.HOST_LIMIT_ENV] == "170"
 
 
 def test_remat_plan_counts_one_mlp_chunk(monkeypatch):

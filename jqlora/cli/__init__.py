@@ -120,6 +120,9 @@ def main(argv=None) -> int:
         return 2
     if extra:
         args.extra = extra
+    from jqlora._util import raise_host_offload_limit
+
+    raise_host_offload_limit()  # before the GPU client starts: offloaded activations past 64 GB
     _enable_compile_cache(disabled=args.no_compile_cache)
     try:
         rc = args._cmd.run(args)

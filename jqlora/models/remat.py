@@ -204,7 +204,7 @@ def device_memory() -> Optional[int]:
 
 def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] = None,
                param_bytes: Optional[int] = None, compute_dtype=jnp.bfloat16, attention: str = "cudnn",
-               lora_rank: int = 16, loss_chunk: int = 256) -> RematPlan:
+               lora_rank: int = 16, loss_chunk: int = 256, host_bytes: Optional[int] = None) -> RematPlan:
     """The fastest remat policy whose predicted train-step peak fits the device.
 
     Args:
@@ -216,6 +216,9 @@ def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] 
         double-quant checkpoint of this config.
       compute_dtype, attention, lora_rank: as the model runs (they change the activations).
       loss_chunk: tokens per chunk of the chunked LM head + loss.
+      host_bytes: the pinned host memory offloaded activations may use; default: XLA's limit
+        (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, else 64, read as 10^9 bytes to be safe). A policy
+        that offloads more is skipped.
 
     Returns:
       A `RematPlan`: the policy (None = no remat), the predicted peak of each candidate, the
@@ -230,24 +233,32 @@ def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] 
     tokens = int(batch) * int(seq_len)
     fixed = int(param_bytes) + _lora_train_bytes(cfg, lora_rank) \
         + 3 * 4 * int(batch) * min(loss_chunk, seq_len) * cfg.vocab_size  # one chunk's logits, softmax, grad
-    predicted, host_bytes = {}, {}
+    predicted, offloaded = {}, {}
     for policy in AUTO_ORDER:
         a = activation_bytes_per_token(cfg, policy, compute_dtype=compute_dtype, attention=attention,
                                        seq_len=seq_len, lora_rank=lora_rank)
         predicted[policy or "none"] = fixed + tokens * (a["kept"] + a["transient"])
-        host_bytes[policy or "none"] = tokens * a["host"]
+        offloaded[policy or "none"] = tokens * a["host"]
     if device_bytes is None:
         return RematPlan(None, predicted, None, f"remat: none (device memory unknown; predicted "
                                                 f"{_gib(predicted['none'])})")
+    if host_bytes is None:
+        from jqlora._util import host_offload_limit_gb  # noqa: PLC0415
+
+        host_bytes = host_offload_limit_gb() * 10**9
     budget = HEADROOM * device_bytes
+    too_much_host = ""
     for policy in AUTO_ORDER:
-        need = predicted[policy or "none"]
+        need, host = predicted[policy or "none"], offloaded[policy or "none"]
+        if need <= budget and host > HEADROOM * host_bytes:
+            too_much_host = (f"; {policy} would fit with {_gib(host)} of host memory, over XLA's limit of "
+                             f"{_gib(host_bytes)} (set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
+            continue
         if need <= budget:
-            host = host_bytes.get(policy or "none", 0)
             extra = f"; {_gib(host)} of layer inputs in host memory" if host else ""
             return RematPlan(policy, predicted, device_bytes,
                              f"remat: {policy or 'none'} (predicted {_gib(need)} of {_gib(device_bytes)}{extra})")
     last = AUTO_ORDER[-1]
     return RematPlan(last, predicted, device_bytes,
                      f"remat: {last} (predicted {_gib(predicted[last])} of {_gib(device_bytes)}: "
-                     "may not fit; lower the batch or sequence length)")
+                     f"may not fit; lower the batch or sequence length{too_much_host})")
