@@ -19,7 +19,7 @@
 #                                                # card (an 80 GB H100: nvidia-h100-x1)
 #   bash benchmarks/gpu_session.sh product [1b|8b]  # the product path: `jqlora train`/`generate` with
 #                                                   # defaults, cold and warm cache, vs torch (<= 9.5 min)
-# Carry `.whl` (bitsandbytes wheel, see docs/benchmarks.md). Results land in $OUT.
+# Carry `.whl` (bitsandbytes and flatbuffers wheels, see docs/benchmarks.md). Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/jqlora-out}
 mkdir -p "$OUT"

@@ -51,8 +51,8 @@ def test_hoisted_decode_equals_scanned_and_a_full_forward():
 def _lowered(m, hoist: bool) -> str:
     graphdef, state = nnx.split(m)
     ids = _ids(1, 5)
-    return gen._generate.lower(graphdef, state, ids, jnp.ones_like(ids), None, jnp.full((1,), -1, jnp.int32),
-                               jnp.float32(0.0), jnp.float32(1.0), jnp.int32(4), bucket=gen.TOKEN_BUCKET,
+    return gen._generate.lower(state, ids, jnp.ones_like(ids), None, jnp.full((1,), -1, jnp.int32),
+                               jnp.float32(0.0), jnp.float32(1.0), jnp.int32(4), graphdef=graphdef, bucket=gen.TOKEN_BUCKET,
                                greedy=True, use_top_p=False, return_logits=False, hoist=hoist).as_text()
 
 
@@ -103,7 +103,7 @@ def test_generate_passes_the_auto_choice_to_the_compiled_program(monkeypatch):
 
     def record(*args, bucket, **kw):
         seen.append(kw["hoist"])
-        b = args[2].shape[0]
+        b = args[1].shape[0]
         return jnp.zeros((b, bucket), jnp.int32), jnp.zeros((b, 0, m.config.vocab_size), jnp.float32)
 
     monkeypatch.setattr(gen, "_generate", record)

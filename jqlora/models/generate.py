@@ -14,7 +14,6 @@ layers are unrolled). "auto" hoists when two copies of the weights and the KV ca
 the device's memory; on a CPU (no memory limit reported, cheap copies) it scans."""
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Sequence, Union
 
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jqlora import lowered_cache
 from jqlora.models.cache import KVCache
 from jqlora.models.remat import device_memory, state_bytes
 
@@ -82,9 +82,9 @@ def hoist_layers(model, batch: int, max_len: int, decode_layers: str = "auto") -
     return state_bytes(model) + state_bytes(model.model.layers) + cache <= 0.9 * limit
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "bucket", "greedy", "use_top_p", "return_logits", "hoist"))
-def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p, max_new_tokens, *, bucket, greedy,
-              use_top_p, return_logits, hoist):
+def _generate_program(state, prompt, prompt_mask, key, eos, temperature, top_p, max_new_tokens, *, graphdef, bucket,
+                      greedy, use_top_p, return_logits, hoist):
+    """The prefill and the decode loop, one program (`_generate` compiles it; `_run` runs it)."""
     def load():
         # A fresh traced copy per trace level (prefill, loop body): NNX forbids touching Variables
         # created at another trace level. eval(): no dropout; remat is pointless without backward.
@@ -145,6 +145,15 @@ def _generate(graphdef, state, prompt, prompt_mask, key, eos, temperature, top_p
     return out, scores
 
 
+_STATIC = ("graphdef", "bucket", "greedy", "use_top_p", "return_logits", "hoist")
+_generate = jax.jit(_generate_program, static_argnames=_STATIC)
+
+
+def _run(*args, **static):
+    """`_generate`, through the lowered-program cache when the compilation cache is on."""
+    return lowered_cache.call(_generate_program, _generate, args, static=static, name="generate")
+
+
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
              rng: Optional[jax.Array] = None, eos_token_id: Union[int, Sequence[int], None] = None,
              attention_mask=None, return_logits: bool = False, decode_layers: str = "auto"):
@@ -174,11 +183,11 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     eos = _eos_array(eos_token_id)
     graphdef, state = nnx.split(model)
     greedy = temperature == 0.0
-    out, scores = _generate(
-        graphdef, state, prompt, mask, None if greedy else rng,
+    out, scores = _run(
+        state, prompt, mask, None if greedy else rng,
         eos if eos is not None else jnp.full((1,), -1, jnp.int32),
         jnp.float32(temperature), jnp.float32(top_p), jnp.int32(max_new_tokens),
-        bucket=token_bucket(max_new_tokens), greedy=greedy, use_top_p=top_p < 1.0,
+        graphdef=graphdef, bucket=token_bucket(max_new_tokens), greedy=greedy, use_top_p=top_p < 1.0,
         return_logits=bool(return_logits),
         hoist=hoist_layers(model, prompt.shape[0], prompt.shape[1] + token_bucket(max_new_tokens), decode_layers))
     n = int(max_new_tokens)

@@ -1,0 +1,150 @@
+"""Programs stored lowered, keyed by their traced form, so that a warm start skips JAX's lowering.
+
+JAX's persistent compilation cache (`jqlora.compile_cache`) keys a program by its lowered
+(StableHLO) form: every process lowers every program before it can look the executable up. For
+generation on a GPU that lowering is 2-3 s of every warm `jqlora generate` (the Mosaic GPU kernels
+are lowered again each time; docs/training.md, compile time). This cache stores the lowered program
+(`jax.export`, serialized) beside JAX's cache, under a hash of everything lowering reads: the traced
+jaxpr as printed (every primitive and its parameters, Pallas kernels included) and its constants'
+bytes, the argument types, the jax and jaxlib versions, the backend, the device kind and the JAX
+options that lowering consults. A hit deserializes the program and runs `jax.jit(exported.call)`,
+whose compilation JAX's own cache then finds. A changed program hashes differently: it is a miss,
+never a stale hit.
+
+`call(fun, jitted, args, static=...)` runs `jitted(*args, **static)` (`jitted` is `fun` under
+`jax.jit` with the static argument names) with that cache in front. It is active only when JAX's
+persistent cache is on (`jax_compilation_cache_dir` set: the CLI does it), `jax.export` can
+serialize (it needs `flatbuffers`) and the arguments live on one device; otherwise it runs
+`jitted`, and when exporting fails, plain `jax.jit`. Each signature is traced once per process, as
+`jax.jit` does.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SUBDIR = "lowered"  # under JAX's compilation cache directory
+SUFFIX = ".exported"
+# JAX options read while lowering (not visible in the jaxpr).
+_LOWERING_OPTIONS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_use_shardy_partitioner")
+
+
+def cache_dir() -> Optional[Path]:
+    """`<JAX's persistent cache directory>/lowered`, or None when that cache is off."""
+    base = jax.config.jax_compilation_cache_dir
+    return Path(base) / SUBDIR if base else None
+
+
+def _serialization_available() -> bool:
+    try:
+        from jax._src.export import serialization  # noqa: F401, PLC0415  (needs flatbuffers)
+    except ImportError:
+        return False
+    return True
+
+
+def _one_device(leaves) -> bool:
+    devices = set()
+    for a in leaves:
+        if isinstance(a, jax.Array):
+            if len(a.sharding.device_set) != 1:
+                return False
+            devices |= a.sharding.device_set
+    return len(devices) <= 1
+
+
+def program_key(closed: jax.extend.core.ClosedJaxpr, in_tree, name: str) -> str:
+    """The hex digest naming a traced program: what its lowering depends on."""
+    h = hashlib.sha256()
+    from jax import version as jax_version  # noqa: PLC0415
+
+    import jaxlib  # noqa: PLC0415
+
+    device = jax.devices()[0]
+    for part in (name, jax_version.__version__, getattr(jaxlib, "__version__", ""), jax.default_backend(),
+                 device.device_kind, str(in_tree), *(f"{o}={getattr(jax.config, o)}" for o in _LOWERING_OPTIONS
+                                                      if hasattr(jax.config, o)),
+                 str(closed.in_avals), str(closed.out_avals), str(closed.jaxpr)):
+        h.update(part.encode())
+        h.update(b"\0")
+    for c in closed.consts:
+        a = np.asarray(c)
+        h.update(f"{a.shape}{a.dtype}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _slot(key) -> dict:
+    """One holder per (function, statics, signature, directory): the runnable program, once made."""
+    return {}
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _make(fun: Callable, static: Mapping[str, Any], leaves: list, in_tree, directory: Path, name: str) -> Callable:
+    """The runnable program of the flat arguments: a stored lowering, a new one (stored), or plain jit.
+    The program takes the leaves (exported programs keep no custom pytree types)."""
+    def flat(*xs):
+        return fun(*jax.tree.unflatten(in_tree, xs), **static)
+
+    closed = jax.make_jaxpr(flat)(*leaves)
+    key = program_key(closed, in_tree, name)
+    path = directory / f"{name}-{key[:40]}{SUFFIX}"
+    exported = None
+    if path.is_file():
+        try:
+            exported = jax.export.deserialize(bytearray(path.read_bytes()))
+        except Exception as e:  # noqa: BLE001 - a damaged entry is a miss, never an error
+            log.warning("%s: cannot read the stored program (%s); lowering again", path, e)
+    if exported is None:
+        try:
+            exported = jax.export.export(jax.jit(flat), disabled_checks=[
+                jax.export.DisabledSafetyCheck.custom_call("ALL")])(*leaves)  # read back here only
+            _write_atomically(path, exported.serialize())
+        except Exception as e:  # noqa: BLE001 - storing is an optimisation: run uncached
+            log.warning("%s: not stored (%s: %s); running without the lowered-program cache", name,
+                        type(e).__name__, e)
+            return jax.jit(flat)
+    return jax.jit(exported.call)
+
+
+def call(fun: Callable, jitted: Callable, args: tuple, *, static: Mapping[str, Any], name: str):
+    """`jitted(*args, **static)` through the lowered-program cache (module docstring).
+
+    Args:
+      fun: a plain (not jitted) function of `args` (a pytree of arrays and None) and keyword-only
+        `static` values (hashable: the NNX graphdef, sizes, flags).
+      jitted: `jax.jit(fun, static_argnames=<the keys of static>)`, run when the cache is off.
+      args: the traced arguments.
+      static: the static keyword arguments.
+      name: the program's name in file names and logs.
+    """
+    leaves, in_tree = jax.tree.flatten(args)
+    directory = cache_dir()
+    if directory is None or not _one_device(leaves) or not _serialization_available():
+        return jitted(*args, **static)
+    signature = (in_tree, tuple((tuple(np.shape(a)), str(getattr(a, "dtype", type(a))),
+                                 bool(getattr(a, "weak_type", False))) for a in leaves))
+    slot = _slot((fun, tuple(sorted(static.items())), signature, str(directory)))
+    if "run" not in slot:
+        slot["run"] = _make(fun, static, leaves, in_tree, directory, name)
+    return slot["run"](*leaves)
+

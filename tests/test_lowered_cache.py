@@ -1,0 +1,117 @@
+"""The lowered-program cache (`jqlora.lowered_cache`): a stored program is found again by a new
+process, a different program never gets another's entry, a damaged entry or a failed export runs
+uncached, and generation through it equals generation without it."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jqlora import lowered_cache
+from jqlora.models import generate
+from test_scan import _ids, _model
+
+pytest.importorskip("flatbuffers")  # jax.export's serialization
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """The cache on, in tmp_path; every call starts as a new process would (no in-process slots)."""
+    monkeypatch.setattr(lowered_cache, "cache_dir", lambda: tmp_path)
+    lowered_cache._slot.cache_clear()
+    yield tmp_path
+    lowered_cache._slot.cache_clear()
+
+
+def _spy(monkeypatch):
+    calls = {"export": 0, "deserialize": 0}
+    real_export, real_deserialize = jax.export.export, jax.export.deserialize
+
+    def export(*a, **k):
+        calls["export"] += 1
+        return real_export(*a, **k)
+
+    def deserialize(*a, **k):
+        calls["deserialize"] += 1
+        return real_deserialize(*a, **k)
+
+    monkeypatch.setattr(jax.export, "export", export)
+    monkeypatch.setattr(jax.export, "deserialize", deserialize)
+    return calls
+
+
+def _scale(x, y, *, k):
+    return {"out": x * k + y["b"]}
+
+
+def _shift(x, y, *, k):  # same signature and statics as _scale, another program
+    return {"out": x + k + y["b"]}
+
+
+def _run(fun, x, y, k=3.0):
+    return lowered_cache.call(fun, jax.jit(fun, static_argnames=("k",)), (x, y), static={"k": k}, name="t")
+
+
+def test_a_new_process_reads_the_stored_program(store, monkeypatch):
+    calls = _spy(monkeypatch)
+    x, y = jnp.arange(4.0), {"b": jnp.ones(4)}
+    first = _run(_scale, x, y)
+    assert calls == {"export": 1, "deserialize": 0} and len(list(store.iterdir())) == 1
+    _run(_scale, x, y)  # the same process: the program it holds
+    assert calls == {"export": 1, "deserialize": 0}
+    lowered_cache._slot.cache_clear()  # a new process
+    again = _run(_scale, 2 * x, y)
+    assert calls == {"export": 1, "deserialize": 1}
+    np.testing.assert_array_equal(first["out"], x * 3 + 1)
+    np.testing.assert_array_equal(again["out"], 2 * x * 3 + 1)
+
+
+def test_programs_with_the_same_signature_never_share_an_entry(store):
+    """The key is the traced program, not the argument types: `_shift` must not run `_scale`."""
+    x, y = jnp.arange(4.0), {"b": jnp.zeros(4)}
+    np.testing.assert_array_equal(_run(_scale, x, y)["out"], x * 3)
+    lowered_cache._slot.cache_clear()
+    np.testing.assert_array_equal(_run(_shift, x, y)["out"], x + 3)
+    lowered_cache._slot.cache_clear()
+    np.testing.assert_array_equal(_run(_scale, x, y, k=5.0)["out"], x * 5)  # a static changes the program
+    assert len(list(store.iterdir())) == 3
+
+
+def test_a_damaged_entry_or_a_failed_export_runs_uncached(store, monkeypatch, caplog):
+    x, y = jnp.arange(4.0), {"b": jnp.ones(4)}
+    _run(_scale, x, y)
+    (entry,) = store.iterdir()
+    entry.write_bytes(b"not a serialized program")
+    lowered_cache._slot.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="jqlora.lowered_cache"):
+        np.testing.assert_array_equal(_run(_scale, x, y)["out"], x * 3 + 1)
+    assert "cannot read the stored program" in caplog.text
+    assert entry.read_bytes() != b"not a serialized program"  # stored again
+
+    def fail(*a, **k):
+        raise RuntimeError("export refused")
+
+    monkeypatch.setattr(jax.export, "export", fail)
+    lowered_cache._slot.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="jqlora.lowered_cache"):
+        np.testing.assert_array_equal(_run(_shift, x, y)["out"], x + 4)
+    assert "export refused" in caplog.text
+
+
+def test_generation_through_the_cache_equals_generation_without_it(store, monkeypatch):
+    m = _model(2)
+    ids = _ids(2, 5)
+    key = jax.random.key(3)
+    monkeypatch.setattr(lowered_cache, "cache_dir", lambda: None)
+    plain = [np.asarray(generate(m, ids, 6)), np.asarray(generate(m, ids, 6, temperature=0.8, rng=key))]
+    monkeypatch.setattr(lowered_cache, "cache_dir", lambda: store)
+    calls = _spy(monkeypatch)
+    for _ in range(2):  # stored, then read back by a "new process"
+        lowered_cache._slot.cache_clear()
+        cached = [np.asarray(generate(m, ids, 6)), np.asarray(generate(m, ids, 6, temperature=0.8, rng=key))]
+        for a, b in zip(plain, cached):
+            np.testing.assert_array_equal(a, b)
+    assert calls == {"export": 2, "deserialize": 2}  # greedy and sampling: two programs
