@@ -6,8 +6,9 @@ generation on a GPU that lowering is 2-3 s of every warm `jqlora generate` (the 
 are lowered again each time; docs/training.md, compile time). This cache stores the lowered program
 (`jax.export`, serialized) beside JAX's cache, under a hash of everything lowering reads: the traced
 jaxpr as printed (every primitive and its parameters, Pallas kernels included) and its constants'
-bytes, the argument types, the jax and jaxlib versions, the backend, the device kind and the JAX
-options that lowering consults. A hit deserializes the program and runs `jax.jit(exported.call)`,
+bytes, every nested jaxpr (a Pallas kernel's body and index maps, which the printer may show by
+name only), a hash of jqlora's and pallas_kernels' sources, the argument types, the jax and jaxlib
+versions, the backend, the device kind and the JAX options that lowering consults. A hit deserializes the program and runs `jax.jit(exported.call)`,
 whose compilation JAX's own cache then finds. A changed program hashes differently: it is a miss,
 never a stale hit.
 
@@ -20,6 +21,7 @@ serialize (it needs `flatbuffers`) and the arguments live on one device; otherwi
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import jax
+from jax.extend import core as jex_core
 import numpy as np
 
 log = logging.getLogger(__name__)
@@ -62,7 +65,55 @@ def _one_device(leaves) -> bool:
     return len(devices) <= 1
 
 
-def program_key(closed: jax.extend.core.ClosedJaxpr, in_tree, name: str) -> str:
+def _inner_jaxprs(value, depth: int = 0):
+    """Jaxprs held in an equation parameter: sub-jaxprs (scan, while, cond, custom_vjp), a Pallas
+    kernel's body and its index maps (inside GridMapping), which the printer may show by name only."""
+    if depth > 4 or value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return
+    if isinstance(value, jex_core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jex_core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _inner_jaxprs(v, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _inner_jaxprs(getattr(value, f.name, None), depth + 1)
+
+
+def _describe(jaxpr, out: list, seen: set) -> None:
+    """Every jaxpr of a program, nested ones included, as text."""
+    if id(jaxpr) in seen:
+        return
+    seen.add(id(jaxpr))
+    out.append(str(jaxpr))
+    for eqn in jaxpr.eqns:
+        for v in eqn.params.values():
+            for sub in _inner_jaxprs(v):
+                _describe(sub, out, seen)
+
+
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """A hash of jqlora's and pallas_kernels' Python sources: an edited kernel or model is a new
+    program even where a jaxpr shows it only by name (callbacks, custom rules)."""
+    h = hashlib.sha256()
+    roots = [Path(__file__).resolve().parent]
+    try:
+        import pallas_kernels  # noqa: PLC0415
+
+        roots.append(Path(pallas_kernels.__file__).resolve().parent)
+    except ImportError:
+        pass
+    for root in roots:
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root.parent)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def program_key(closed: jex_core.ClosedJaxpr, in_tree, name: str) -> str:
     """The hex digest naming a traced program: what its lowering depends on."""
     h = hashlib.sha256()
     from jax import version as jax_version  # noqa: PLC0415
@@ -70,10 +121,12 @@ def program_key(closed: jax.extend.core.ClosedJaxpr, in_tree, name: str) -> str:
     import jaxlib  # noqa: PLC0415
 
     device = jax.devices()[0]
-    for part in (name, jax_version.__version__, getattr(jaxlib, "__version__", ""), jax.default_backend(),
-                 device.device_kind, str(in_tree), *(f"{o}={getattr(jax.config, o)}" for o in _LOWERING_OPTIONS
-                                                      if hasattr(jax.config, o)),
-                 str(closed.in_avals), str(closed.out_avals), str(closed.jaxpr)):
+    texts: list = []
+    _describe(closed.jaxpr, texts, set())
+    for part in (name, _source_digest(), jax_version.__version__, getattr(jaxlib, "__version__", ""),
+                 jax.default_backend(), device.device_kind, str(in_tree),
+                 *(f"{o}={getattr(jax.config, o)}" for o in _LOWERING_OPTIONS if hasattr(jax.config, o)),
+                 str(closed.in_avals), str(closed.out_avals), *texts):
         h.update(part.encode())
         h.update(b"\0")
     for c in closed.consts:

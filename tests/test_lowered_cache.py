@@ -80,6 +80,27 @@ def test_programs_with_the_same_signature_never_share_an_entry(store):
     assert len(list(store.iterdir())) == 3
 
 
+def _pallas_times(k):
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):  # the same name for every k
+        o_ref[...] = x_ref[...] * k
+
+    def fun(x, y, *, k):
+        out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+        return {"out": out + y["b"]}
+    return fun
+
+
+def test_pallas_kernels_that_differ_only_in_their_body_get_their_own_entries(store):
+    """Two kernels of one name and shape that compute different things are two programs."""
+    x, y = jnp.arange(8.0), {"b": jnp.zeros(8)}
+    np.testing.assert_array_equal(_run(_pallas_times(2.0), x, y)["out"], 2 * x)
+    lowered_cache._slot.cache_clear()
+    np.testing.assert_array_equal(_run(_pallas_times(5.0), x, y)["out"], 5 * x)
+    assert len(list(store.iterdir())) == 2
+
+
 def test_a_damaged_entry_or_a_failed_export_runs_uncached(store, monkeypatch, caplog):
     x, y = jnp.arange(4.0), {"b": jnp.ones(4)}
     _run(_scale, x, y)
