@@ -12,12 +12,11 @@ versions, the backend, the device kind and the JAX options that lowering consult
 whose compilation JAX's own cache then finds. A changed program hashes differently: it is a miss,
 never a stale hit.
 
-`call(fun, jitted, args, static=...)` runs `jitted(*args, **static)` (`jitted` is `fun` under
-`jax.jit` with the static argument names) with that cache in front. It is active only when JAX's
-persistent cache is on (`jax_compilation_cache_dir` set: the CLI does it), `jax.export` can
-serialize (it needs `flatbuffers`) and the arguments live on one device; otherwise it runs
-`jitted`, and when exporting fails, plain `jax.jit`. Each signature is traced once per process, as
-`jax.jit` does.
+`call(fun, args, static=..., fallback=...)` runs `fun(*args, **static)` compiled, with that cache
+in front. It is active only when JAX's persistent cache is on (`jax_compilation_cache_dir` set:
+the CLI does it), `jax.export` can serialize (it needs `flatbuffers`) and the arguments live on one
+device; otherwise it returns `fallback()` (the caller's own `jax.jit` of `fun`), and when exporting
+fails it runs plain `jax.jit`. Each signature is traced once per process, as `jax.jit` does.
 """
 from __future__ import annotations
 
@@ -152,7 +151,8 @@ def _write_atomically(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _make(fun: Callable, static: Mapping[str, Any], leaves: list, in_tree, directory: Path, name: str) -> Callable:
+def _make(fun: Callable, static: Mapping[str, Any], leaves: list, in_tree, directory: Path, name: str,
+          donate: tuple) -> Callable:
     """The runnable program of the flat arguments: a stored lowering, a new one (stored), or plain jit.
     The program takes the leaves (exported programs keep no custom pytree types)."""
     def flat(*xs):
@@ -175,29 +175,32 @@ def _make(fun: Callable, static: Mapping[str, Any], leaves: list, in_tree, direc
         except Exception as e:  # noqa: BLE001 - storing is an optimisation: run uncached
             log.warning("%s: not stored (%s: %s); running without the lowered-program cache", name,
                         type(e).__name__, e)
-            return jax.jit(flat)
-    return jax.jit(exported.call)
+            return jax.jit(flat, donate_argnums=donate)
+    return jax.jit(exported.call, donate_argnums=donate)
 
 
-def call(fun: Callable, jitted: Callable, args: tuple, *, static: Mapping[str, Any], name: str):
-    """`jitted(*args, **static)` through the lowered-program cache (module docstring).
+def call(fun: Callable, args: tuple, *, static: Mapping[str, Any], name: str, fallback: Callable[[], Any],
+         donate_argnums: tuple = ()):
+    """`fun(*args, **static)` compiled, through the lowered-program cache (module docstring).
 
     Args:
       fun: a plain (not jitted) function of `args` (a pytree of arrays and None) and keyword-only
         `static` values (hashable: the NNX graphdef, sizes, flags).
-      jitted: `jax.jit(fun, static_argnames=<the keys of static>)`, run when the cache is off.
       args: the traced arguments.
       static: the static keyword arguments.
       name: the program's name in file names and logs.
+      fallback: what runs when the cache is off: the caller's `jax.jit` of `fun` on these arguments.
+      donate_argnums: positions in `args` whose arrays are donated (as `jax.jit`'s).
     """
     leaves, in_tree = jax.tree.flatten(args)
     directory = cache_dir()
     if directory is None or not _one_device(leaves) or not _serialization_available():
-        return jitted(*args, **static)
+        return fallback()
     signature = (in_tree, tuple((tuple(np.shape(a)), str(getattr(a, "dtype", type(a))),
                                  bool(getattr(a, "weak_type", False))) for a in leaves))
-    slot = _slot((fun, tuple(sorted(static.items())), signature, str(directory)))
+    slot = _slot((fun, tuple(sorted(static.items())), signature, str(directory), tuple(donate_argnums)))
     if "run" not in slot:
-        slot["run"] = _make(fun, static, leaves, in_tree, directory, name)
+        starts = np.cumsum([0] + [len(jax.tree.leaves(a)) for a in args])
+        donate = tuple(j for i in donate_argnums for j in range(starts[i], starts[i + 1]))
+        slot["run"] = _make(fun, static, leaves, in_tree, directory, name, donate)
     return slot["run"](*leaves)
-

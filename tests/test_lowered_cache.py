@@ -52,7 +52,8 @@ def _shift(x, y, *, k):  # same signature and statics as _scale, another program
 
 
 def _run(fun, x, y, k=3.0):
-    return lowered_cache.call(fun, jax.jit(fun, static_argnames=("k",)), (x, y), static={"k": k}, name="t")
+    return lowered_cache.call(fun, (x, y), static={"k": k}, name="t",
+                              fallback=lambda: jax.jit(fun, static_argnames=("k",))(x, y, k=k))
 
 
 def test_a_new_process_reads_the_stored_program(store, monkeypatch):
@@ -136,3 +137,41 @@ def test_generation_through_the_cache_equals_generation_without_it(store, monkey
         for a, b in zip(plain, cached):
             np.testing.assert_array_equal(a, b)
     assert calls == {"export": 2, "deserialize": 2}  # greedy and sampling: two programs
+
+
+def _train(steps=3):
+    from flax import nnx
+
+    from jqlora import lora
+    from jqlora.train.optim import make_optimizer
+    from jqlora.train.step import train_step
+
+    m = _model(2)
+    opt = nnx.Optimizer(m, make_optimizer(1e-2, 1, 10), wrt=nnx.LoRAParam)
+    ids = np.asarray(_ids(1, 12))[None]
+    batch = {"input_ids": ids, "targets": ids, "loss_mask": np.ones(ids.shape, np.float32),
+             "positions": np.broadcast_to(np.arange(12, dtype=np.int32), ids.shape)}
+    step = train_step.bind(m, opt)
+    losses, donated = [], []
+    for _ in range(steps):
+        before = jax.tree.leaves(nnx.state(m, nnx.LoRAParam))
+        losses.append(float(step(batch)["loss"]))
+        donated.append(all(a.is_deleted() for a in before))
+    return losses, donated, {k: np.asarray(v) for k, v in jax.tree.leaves_with_path(lora.lora_params_by_module(m))}
+
+
+def test_the_train_step_through_the_cache_equals_and_donates_as_without(store, monkeypatch):
+    """The train step (`frozen_jit`'s bound step) through the cache: the same losses and LoRA
+    weights as plain `jax.jit`, the LoRA state still donated, and a new process reads the entry."""
+    monkeypatch.setattr(lowered_cache, "cache_dir", lambda: None)
+    plain = _train()
+    monkeypatch.setattr(lowered_cache, "cache_dir", lambda: store)
+    calls = _spy(monkeypatch)
+    for _ in range(2):
+        lowered_cache._slot.cache_clear()
+        cached = _train()
+        assert cached[0] == plain[0] and cached[1] == plain[1] == [True] * 3, (cached[:2], plain[:2])
+        assert cached[2].keys() == plain[2].keys()
+        for k in plain[2]:
+            np.testing.assert_array_equal(cached[2][k], plain[2][k])
+    assert calls == {"export": 1, "deserialize": 1} and len(list(store.iterdir())) == 1

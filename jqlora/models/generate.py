@@ -151,7 +151,8 @@ _generate = jax.jit(_generate_program, static_argnames=_STATIC)
 
 def _run(*args, **static):
     """`_generate`, through the lowered-program cache when the compilation cache is on."""
-    return lowered_cache.call(_generate_program, _generate, args, static=static, name="generate")
+    return lowered_cache.call(_generate_program, args, static=static, name="generate",
+                              fallback=lambda: _generate(*args, **static))
 
 
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,

@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 from flax import nnx
 
+from jqlora import lowered_cache
 from jqlora.lora.linear import FrozenParam
 
 __all__ = ["frozen_jit"]
@@ -92,7 +93,10 @@ def frozen_jit(fn: Callable, *, nodes: int = 1, donate: bool = False) -> Callabl
 
         @functools.wraps(fn)
         def bound(*rest):
-            new_values, out = bound_jit(frozen, mutable, *rest)
+            args = (frozen, mutable, *rest)
+            new_values, out = lowered_cache.call(
+                _flat_pure_kw, args, static={"graphdef": graphdef, "paths": paths}, name=fn.__name__,
+                fallback=lambda: bound_jit(*args), donate_argnums=(1,) if donate else ())
             for set_, value in zip(setters, new_values):
                 set_(value)
             return out
@@ -103,6 +107,9 @@ def frozen_jit(fn: Callable, *, nodes: int = 1, donate: bool = False) -> Callabl
     @functools.lru_cache(maxsize=8)  # binds of equal structure share one compiled step
     def _bound_jit(graphdef, paths):
         return jax.jit(functools.partial(_flat_pure, graphdef, paths), donate_argnums=(1,) if donate else ())
+
+    def _flat_pure_kw(frozen, mutable, *rest, graphdef, paths):
+        return _flat_pure(graphdef, paths, frozen, mutable, *rest)
 
     def _flat_pure(graphdef, paths, frozen, mutable, *rest):
         objects = nnx.merge(graphdef, frozen, mutable)
