@@ -158,7 +158,8 @@ def _make(fun: Callable, static: Mapping[str, Any], leaves: list, in_tree, direc
     def flat(*xs):
         return fun(*jax.tree.unflatten(in_tree, xs), **static)
 
-    closed = jax.make_jaxpr(flat)(*leaves)
+    jitted = jax.jit(flat, donate_argnums=donate)
+    closed = jitted.trace(*leaves).jaxpr  # jit's trace cache: exporting below does not trace again
     key = program_key(closed, in_tree, name)
     path = directory / f"{name}-{key[:40]}{SUFFIX}"
     exported = None
@@ -169,13 +170,13 @@ def _make(fun: Callable, static: Mapping[str, Any], leaves: list, in_tree, direc
             log.warning("%s: cannot read the stored program (%s); lowering again", path, e)
     if exported is None:
         try:
-            exported = jax.export.export(jax.jit(flat), disabled_checks=[
+            exported = jax.export.export(jitted, disabled_checks=[
                 jax.export.DisabledSafetyCheck.custom_call("ALL")])(*leaves)  # read back here only
             _write_atomically(path, exported.serialize())
         except Exception as e:  # noqa: BLE001 - storing is an optimisation: run uncached
             log.warning("%s: not stored (%s: %s); running without the lowered-program cache", name,
                         type(e).__name__, e)
-            return jax.jit(flat, donate_argnums=donate)
+            return jitted
     return jax.jit(exported.call, donate_argnums=donate)
 
 
