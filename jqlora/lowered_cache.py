@@ -6,8 +6,7 @@ generation on a GPU that lowering is 2-3 s of every warm `jqlora generate` (the 
 are lowered again each time; docs/training.md, compile time). This cache stores the lowered program
 (`jax.export`, serialized) beside JAX's cache, under a hash of everything lowering reads: the traced
 jaxpr as printed (every primitive and its parameters, Pallas kernels included) and its constants'
-bytes, every nested jaxpr (a Pallas kernel's body and index maps, which the printer may show by
-name only), a hash of jqlora's and pallas_kernels' sources, the argument types, the jax and jaxlib
+bytes, the nested jaxprs the printer leaves out (a Pallas kernel's index maps), a hash of jqlora's and pallas_kernels' sources, the argument types, the jax and jaxlib
 versions, the backend, the device kind and the JAX options that lowering consults. A hit deserializes the program and runs `jax.jit(exported.call)`,
 whose compilation JAX's own cache then finds. A changed program hashes differently: it is a miss,
 never a stale hit.
@@ -64,33 +63,35 @@ def _one_device(leaves) -> bool:
     return len(devices) <= 1
 
 
-def _inner_jaxprs(value, depth: int = 0):
-    """Jaxprs held in an equation parameter: sub-jaxprs (scan, while, cond, custom_vjp), a Pallas
-    kernel's body and its index maps (inside GridMapping), which the printer may show by name only."""
-    if depth > 4 or value is None or isinstance(value, (str, bytes, int, float, bool)):
+def _hidden_jaxprs(value, inside_object: bool = False, depth: int = 0):
+    """(jaxpr, printed) pairs held in an equation parameter. Jaxprs that are parameters themselves
+    (scan, while and cond bodies, a Pallas kernel's body) appear in the program's printed text;
+    jaxprs inside other objects (a Pallas GridMapping's index maps) do not: printed=False."""
+    if depth > 5 or value is None or isinstance(value, (str, bytes, int, float, bool)):
         return
     if isinstance(value, jex_core.ClosedJaxpr):
-        yield value.jaxpr
+        yield value.jaxpr, not inside_object
     elif isinstance(value, jex_core.Jaxpr):
-        yield value
+        yield value, not inside_object
     elif isinstance(value, (tuple, list)):
         for v in value:
-            yield from _inner_jaxprs(v, depth + 1)
+            yield from _hidden_jaxprs(v, inside_object, depth + 1)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            yield from _inner_jaxprs(getattr(value, f.name, None), depth + 1)
+            yield from _hidden_jaxprs(getattr(value, f.name, None), True, depth + 1)
 
 
-def _describe(jaxpr, out: list, seen: set) -> None:
-    """Every jaxpr of a program, nested ones included, as text."""
+def _describe(jaxpr, out: list, seen: set, printed: bool = False) -> None:
+    """The program as text: the printed jaxpr, plus every nested jaxpr the printer leaves out."""
     if id(jaxpr) in seen:
         return
     seen.add(id(jaxpr))
-    out.append(str(jaxpr))
+    if not printed:
+        out.append(str(jaxpr))
     for eqn in jaxpr.eqns:
         for v in eqn.params.values():
-            for sub in _inner_jaxprs(v):
-                _describe(sub, out, seen)
+            for sub, shown in _hidden_jaxprs(v):
+                _describe(sub, out, seen, printed=shown)
 
 
 @functools.lru_cache(maxsize=1)

@@ -102,6 +102,28 @@ def test_pallas_kernels_that_differ_only_in_their_body_get_their_own_entries(sto
     assert len(list(store.iterdir())) == 2
 
 
+def _pallas_block(j):
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    def fun(x, y, *, k):  # reads block j of x: only the index map differs
+        out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((4,), x.dtype), grid=(1,),
+                             in_specs=[pl.BlockSpec((4,), lambda i: (j,))],
+                             out_specs=pl.BlockSpec((4,), lambda i: (0,)), interpret=True)(x)
+        return {"out": out * k + y["b"][:4]}
+    return fun
+
+
+def test_pallas_index_maps_the_printed_program_leaves_out_are_in_the_key(store):
+    x, y = jnp.arange(8.0), {"b": jnp.zeros(8)}
+    np.testing.assert_array_equal(_run(_pallas_block(0), x, y, k=1.0)["out"], x[:4])
+    lowered_cache._slot.cache_clear()
+    np.testing.assert_array_equal(_run(_pallas_block(1), x, y, k=1.0)["out"], x[4:])
+    assert len(list(store.iterdir())) == 2
+
+
 def test_a_damaged_entry_or_a_failed_export_runs_uncached(store, monkeypatch, caplog):
     x, y = jnp.arange(4.0), {"b": jnp.ones(4)}
     _run(_scale, x, y)
