@@ -3,7 +3,7 @@
 JAX's persistent compilation cache (`jqlora.compile_cache`) keys a program by its lowered
 (StableHLO) form: every process lowers every program before it can look the executable up. For
 generation on a GPU that lowering is 2-3 s of every warm `jqlora generate` (the Mosaic GPU kernels
-are lowered again each time; docs/training.md, compile time). This cache stores the lowered program
+are lowered again each time; docs/training.md, compilation cache). This cache stores the lowered program
 (`jax.export`, serialized) beside JAX's cache, under a hash of everything lowering reads: the traced
 jaxpr as printed (every primitive and its parameters, Pallas kernels included) and its constants'
 bytes, the nested jaxprs the printer leaves out (a Pallas kernel's index maps), a hash of jqlora's and pallas_kernels' sources, the argument types, the jax and jaxlib
