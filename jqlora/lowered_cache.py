@@ -3,13 +3,14 @@
 JAX's persistent compilation cache (`jqlora.compile_cache`) keys a program by its lowered
 (StableHLO) form: every process lowers every program before it can look the executable up. For
 generation on a GPU that lowering is 2-3 s of every warm `jqlora generate` (the Mosaic GPU kernels
-are lowered again each time; docs/training.md, compilation cache). This cache stores the lowered program
-(`jax.export`, serialized) beside JAX's cache, under a hash of everything lowering reads: the traced
-jaxpr as printed (every primitive and its parameters, Pallas kernels included) and its constants'
-bytes, the nested jaxprs the printer leaves out (a Pallas kernel's index maps), a hash of jqlora's and pallas_kernels' sources, the argument types, the jax and jaxlib
-versions, the backend, the device kind and the JAX options that lowering consults. A hit deserializes the program and runs `jax.jit(exported.call)`,
-whose compilation JAX's own cache then finds. A changed program hashes differently: it is a miss,
-never a stale hit.
+are lowered again each time; docs/training.md, compilation cache). This cache stores the lowered
+program (`jax.export`, serialized) beside JAX's cache, under a hash of everything lowering reads:
+the traced jaxpr as printed (every primitive and its parameters, Pallas kernel bodies included) and
+its constants' bytes, the nested jaxprs the printer leaves out (a Pallas kernel's index maps), a
+hash of jqlora's and pallas_kernels' sources, the argument types, the jax and jaxlib versions, the
+backend, the device kind and the JAX options that lowering consults. A hit deserializes the program
+and runs `jax.jit(exported.call)`, whose compilation JAX's own cache then finds. A changed program
+hashes differently: it is a miss, never a stale hit.
 
 `call(fun, args, static=..., fallback=...)` runs `fun(*args, **static)` compiled, with that cache
 in front. It is active only when JAX's persistent cache is on (`jax_compilation_cache_dir` set:
@@ -28,8 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import jax
-from jax.extend import core as jex_core
 import numpy as np
+from jax.extend import core as jex_core
 
 log = logging.getLogger(__name__)
 
