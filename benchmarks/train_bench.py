@@ -284,6 +284,7 @@ def one_step(run, batch, rows: int, seq: int, backend: str, attention: str) -> d
     """`--steps 0`: one step whose length makes a loop of steps too long (hundreds of thousands of
     tokens). The step is compiled ahead (XLA's memory analysis, with host offload) into a fresh
     persistent cache, then run once: its wall time is the run plus a cache lookup."""
+    import resource
     import tempfile
 
     import jax
@@ -300,8 +301,6 @@ def one_step(run, batch, rows: int, seq: int, backend: str, attention: str) -> d
     loss = float(m["loss"])
     step_s = time.perf_counter() - t0
     _note(f"one step {step_s:.1f} s, loss {loss:.4f}", t0)
-    import resource
-
     stats = jax.devices()[0].memory_stats() or {}
     gib = lambda k: round(getattr(ma, k, 0) / 2**30, 2)  # noqa: E731
     host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)

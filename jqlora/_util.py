@@ -176,7 +176,8 @@ def fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-__all__ = ["DTYPES", "quiet_third_party", "raise_host_offload_limit", "host_offload_limit_gb", "physical_memory", "jnp_dtype", "default_compute_dtype", "fmt_bytes", "ATTENTION_CHOICES",
+__all__ = ["DTYPES", "quiet_third_party", "raise_host_offload_limit", "host_offload_limit_gb", "physical_memory",
+           "jnp_dtype", "default_compute_dtype", "fmt_bytes", "ATTENTION_CHOICES",
            "ATTENTION_AUTO_HELP", "cudnn_attention_available", "resolve_attention", "resolve_remat"]
 
 

@@ -46,6 +46,7 @@ def cache_dir() -> Optional[Path]:
     return Path(base) / SUBDIR if base else None
 
 
+@functools.lru_cache(maxsize=1)
 def _serialization_available() -> bool:
     try:
         from jax._src.export import serialization  # noqa: F401, PLC0415  (needs flatbuffers)
@@ -195,9 +196,11 @@ def call(fun: Callable, args: tuple, *, static: Mapping[str, Any], name: str, fa
       fallback: what runs when the cache is off: the caller's `jax.jit` of `fun` on these arguments.
       donate_argnums: positions in `args` whose arrays are donated (as `jax.jit`'s).
     """
-    leaves, in_tree = jax.tree.flatten(args)
     directory = cache_dir()
-    if directory is None or not _one_device(leaves) or not _serialization_available():
+    if directory is None or not _serialization_available():
+        return fallback()
+    leaves, in_tree = jax.tree.flatten(args)
+    if not _one_device(leaves):
         return fallback()
     signature = (in_tree, tuple((tuple(np.shape(a)), str(getattr(a, "dtype", type(a))),
                                  bool(getattr(a, "weak_type", False))) for a in leaves))

@@ -52,7 +52,8 @@ def _lowered(m, hoist: bool) -> str:
     graphdef, state = nnx.split(m)
     ids = _ids(1, 5)
     return gen._generate.lower(state, ids, jnp.ones_like(ids), None, jnp.full((1,), -1, jnp.int32),
-                               jnp.float32(0.0), jnp.float32(1.0), jnp.int32(4), graphdef=graphdef, bucket=gen.TOKEN_BUCKET,
+                               jnp.float32(0.0), jnp.float32(1.0), jnp.int32(4), graphdef=graphdef,
+                               bucket=gen.TOKEN_BUCKET,
                                greedy=True, use_top_p=False, return_logits=False, hoist=hoist).as_text()
 
 

@@ -33,6 +33,7 @@ from interop import CheckpointError, load_bnb_checkpoint  # noqa: E402
 from jqlora import lora, models, quant  # noqa: E402
 from jqlora.train.step import masked_cross_entropy  # noqa: E402
 from real_model import smollm2, smollm2_dynamic  # noqa: E402,F401  (fixtures)
+from test_lora_gradients_vs_peft import _jax_loss_and_grads_jit  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -142,15 +143,6 @@ def _jax_lora_model(path, compute_dtype=jnp.float32):
     return model, values
 
 
-@nnx.jit
-def _jax_loss_and_grads(model, ids, targets, mask):
-    def loss_fn(m):
-        s, n = masked_cross_entropy(m(ids)[:, :-1], targets, mask)
-        return s / n
-
-    return nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
-
-
 # ------------------------------------------------------------------------------------------ loading
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_skipped_linears_stay_dense_bit_for_bit(ckpt, name):
@@ -186,7 +178,7 @@ def test_skipped_linears_stay_dense_bit_for_bit(ckpt, name):
 # ------------------------------------------------------------------------------------------ numerics
 def _grads(path, compute_dtype, ids, targets, mask):
     model, values = _jax_lora_model(path, compute_dtype)
-    loss, grads = _jax_loss_and_grads(model, jnp.asarray(ids, jnp.int32), jnp.asarray(targets, jnp.int32),
+    loss, grads = _jax_loss_and_grads_jit(model, jnp.asarray(ids, jnp.int32), jnp.asarray(targets, jnp.int32),
                                       jnp.asarray(mask))
     return model, values, float(loss), lora.lora_state_by_module(model, grads)
 

@@ -15,7 +15,7 @@ from flax import nnx
 from jqlora import quant
 from jqlora.lora.apply import apply_lora
 from jqlora.lora.config import LoraConfig
-from jqlora.lora.linear import FrozenParam, QLoRALinear, base_shape
+from jqlora.lora.linear import FrozenParam, QLoRALinear, base_shape, host_or_device
 from jqlora.models.config import ModelConfig
 from jqlora.models.llama import CausalLM
 
@@ -64,8 +64,7 @@ class _Source:
     def _cast(self, a):
         """The tensor in `param_dtype` (floating ones); a host (numpy) array stays on the host:
         `from_params` moves every host array to the device at the end, in one transfer."""
-        if not isinstance(a, np.ndarray):
-            a = jnp.asarray(a)
+        a = host_or_device(a)
         if self.param_dtype is not None and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != self.param_dtype:
             a = a.astype(self.param_dtype)
         return a

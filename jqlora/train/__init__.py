@@ -15,8 +15,8 @@ _LAZY = {
     "CheckpointError": "checkpoint", "list_checkpoints": "checkpoint", "restore_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint", "BatchIterator": "data", "make_batch_iterator": "data",
     "DataError": "examples", "frozen_jit": "frozen", "NonFiniteLossError": "loop", "TrainResult": "loop",
-    "train": "loop", "make_optimizer": "optim", "make_schedule": "optim", "schedule_table": "optim", "evaluate": "step",
-    "train_step": "step", "load_tokenizer": "tokenization", "special_tokens": "tokenization",
+    "train": "loop", "make_optimizer": "optim", "make_schedule": "optim", "schedule_table": "optim",
+    "evaluate": "step", "train_step": "step", "load_tokenizer": "tokenization", "special_tokens": "tokenization",
 }
 
 
@@ -30,7 +30,7 @@ def __getattr__(name):
 
 __all__ = [
     "train", "TrainConfig", "TrainResult", "NonFiniteLossError", "train_step", "evaluate", "frozen_jit",
-    "make_optimizer", "make_schedule", "schedule_table", "save_checkpoint", "restore_checkpoint", "list_checkpoints",
-    "CheckpointError", "BatchIterator", "make_batch_iterator", "load_tokenizer", "special_tokens",
+    "make_optimizer", "make_schedule", "schedule_table", "save_checkpoint", "restore_checkpoint",
+    "list_checkpoints", "CheckpointError", "BatchIterator", "make_batch_iterator", "load_tokenizer", "special_tokens",
     "DataError",
 ]

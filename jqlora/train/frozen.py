@@ -95,7 +95,7 @@ def frozen_jit(fn: Callable, *, nodes: int = 1, donate: bool = False) -> Callabl
         def bound(*rest):
             args = (frozen, mutable, *rest)
             new_values, out = lowered_cache.call(
-                _flat_pure_kw, args, static={"graphdef": graphdef, "paths": paths}, name=fn.__name__,
+                _flat_pure, args, static={"graphdef": graphdef, "paths": paths}, name=fn.__name__,
                 fallback=lambda: bound_jit(*args), donate_argnums=(1,) if donate else ())
             for set_, value in zip(setters, new_values):
                 set_(value)
@@ -106,12 +106,10 @@ def frozen_jit(fn: Callable, *, nodes: int = 1, donate: bool = False) -> Callabl
 
     @functools.lru_cache(maxsize=8)  # binds of equal structure share one compiled step
     def _bound_jit(graphdef, paths):
-        return jax.jit(functools.partial(_flat_pure, graphdef, paths), donate_argnums=(1,) if donate else ())
+        return jax.jit(functools.partial(_flat_pure, graphdef=graphdef, paths=paths),
+                       donate_argnums=(1,) if donate else ())
 
-    def _flat_pure_kw(frozen, mutable, *rest, graphdef, paths):
-        return _flat_pure(graphdef, paths, frozen, mutable, *rest)
-
-    def _flat_pure(graphdef, paths, frozen, mutable, *rest):
+    def _flat_pure(frozen, mutable, *rest, graphdef, paths):
         objects = nnx.merge(graphdef, frozen, mutable)
         out = fn(*objects, *rest)
         new_paths, new_vars = _paths_and_variables(nnx.state(objects, nnx.Not(FrozenParam)))
