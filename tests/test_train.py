@@ -20,6 +20,7 @@ from jqlora import train as T
 from jqlora.train import checkpoint as ckpt_mod
 from jqlora.train import data as D
 from jqlora.train import examples as E
+from jqlora.train import loop
 from jqlora.train import tokenization as TK
 
 # ------------------------------------------------------------------------------------------------
@@ -677,7 +678,7 @@ def test_remat_flag_uses_model_hook():
             self.remat = on
 
     m = WithHook()
-    T.loop._apply_remat(m, True)
+    loop._apply_remat(m, True)
     assert m.remat is True
 
     class WithAttr(StubLM):
@@ -686,10 +687,10 @@ def test_remat_flag_uses_model_hook():
             self.remat = False
 
     m = WithAttr()
-    T.loop._apply_remat(m, "dots")
+    loop._apply_remat(m, "dots")
     assert m.remat == "dots"
     with pytest.warns(UserWarning, match="no set_remat"):
-        T.loop._apply_remat(StubLM(), True)
+        loop._apply_remat(StubLM(), True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from cli_runner import run_cli
 from jqlora import train as T
 from jqlora.runs import RUN_FILE
 from jqlora.train import examples as E
-from jqlora.train import loop
+from jqlora.train import loop, optim
 from jqlora.train import tokenization as TK
 from jqlora.train.run_length import resolve_run_length
 from test_train import StubLM, base_config, pattern_rows, tok_path, write_jsonl  # noqa: F401
@@ -341,4 +341,4 @@ def test_cli_config_file_with_both_and_bad_schedule(nf4_model, tmp_path, capsys)
     assert rc == 2 and "invalid choice: 'step'" in err
     from jqlora.cli.train_cmd import _CHOICES
 
-    assert _CHOICES["lr_schedule"] == T.optim.LR_SCHEDULES
+    assert _CHOICES["lr_schedule"] == optim.LR_SCHEDULES
