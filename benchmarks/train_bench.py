@@ -214,6 +214,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     if loss_chunk is not None and loss_chunk != LOSS_CHUNK:  # the library's step, another chunk
         step = frozen_jit(functools.partial(_train_step_impl, loss_chunk=loss_chunk), nodes=2, donate=True)
     from jqlora import parallel
+    from jqlora.ops import sharding
 
     mesh = parallel.resolve_mesh(mesh_spec) if mesh_spec else None
     model, opt, batch = build_jax(shape, seq, backend, attention, mesh=mesh, remat=remat)
@@ -233,7 +234,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     run = step.bind(model, opt) if dispatch == "bound" else functools.partial(step, model, opt)
     if mesh is not None:  # as jqlora.train runs a mesh: state placed, batch rows split, mesh active
         parallel.place_state(model, opt, mesh)
-        run = parallel.with_mesh(mesh, step.bind(model, opt))
+        run = sharding.with_mesh(mesh, step.bind(model, opt))
         batch = parallel.shard_batch(batch, mesh)
     if steps == 0:
         if mesh is not None:

@@ -20,7 +20,8 @@ Modules: :mod:`interop.bnb_load` (loading and every check of what is on disk),
 :mod:`interop.bnb_save` (writing, ``build_quantization_config``), :mod:`interop.bnb_common`
 (``config.json`` and the shapes a config implies), :mod:`interop.peft_adapter` (PEFT LoRA adapter
 directories), :mod:`interop.safetensors_io` (the one safetensors reader and writer),
-:mod:`interop.torch_bridge` (live torch / bitsandbytes objects).
+:mod:`interop.torch_bridge` (live torch / bitsandbytes objects), :mod:`interop.atomic_io` (atomic
+writes), :mod:`interop.json_io` (reading a JSON object from a file, or a named error).
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Why: invariant 7 of docs/design.md, nothing is ever half-written. A reader (or a crash, or a full disk)
 sees either the previous file/directory or the complete new one, never a partial one, and a
 failure leaves no temporary litter behind. Every writer in jqlora (safetensors files, bitsandbytes
-checkpoint dirs, PEFT adapters, training checkpoints, JSON run records) goes through here.
+checkpoint dirs, PEFT adapters, training checkpoints, JSON run records, the lowered-program cache's
+entries, without fsync) goes through here.
 
 How: data is written under a hidden temporary name in the *same* directory as the target (so the
 final ``os.replace``/``os.rename`` stays on one filesystem and is atomic), fsynced, renamed into
@@ -64,26 +65,31 @@ def tmp_name(path: str | os.PathLike, kind: str = "tmp") -> Path:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `path`; the caller writes the file there by any means. On
     success it is fsynced, ``os.replace``d onto `path` and the directory fsynced; on any error
-    (including KeyboardInterrupt) the temporary file is removed and `path` is untouched."""
+    (including KeyboardInterrupt) the temporary file is removed and `path` is untouched.
+    ``fsync=False`` skips both fsyncs: readers still never see a partial file, but a crash may
+    lose the write (for a cache, where a lost entry is only a miss)."""
     path = Path(path)
     tmp = tmp_name(path)
     try:
         yield tmp
-        fsync_file(tmp)
+        if fsync:
+            fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if fsync:
+        fsync_dir(path.parent)
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
-    """Write `data` to `path` atomically (see :func:`atomic_path`). Returns the path."""
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> Path:
+    """Write `data` to `path` atomically (see :func:`atomic_path`, also for `fsync`). Returns the
+    path."""
     path = Path(path)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, fsync=fsync) as tmp:
         with open(tmp, "wb") as f:
             f.write(data)
     return path

@@ -7,7 +7,6 @@ code which only needs the config or the expected shapes does not pull in the loa
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from interop.errors import CheckpointError
+from interop.json_io import read_json_object
 
 CONFIG_FILE = "config.json"
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"})
@@ -29,17 +29,35 @@ def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def read_config(path) -> dict:
-    """Parse ``config.json`` of a checkpoint directory (CheckpointError if missing/malformed)."""
-    cfg_path = Path(path) / CONFIG_FILE
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{cfg_path}: missing (a checkpoint directory needs {CONFIG_FILE})")
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{cfg_path}: top level is a JSON {type(config).__name__}, expected an object")
+def read_config(path, *, unwrap: bool = True) -> dict:
+    """Parse ``config.json`` of a checkpoint directory: the one reader of that file.
+
+    Args:
+      path: the checkpoint directory.
+      unwrap: give the language model's config. A file whose top level holds a ``text_config``
+        object (a multimodal wrapper such as transformers' ``Gemma3ForConditionalGeneration``
+        config) then gives one flat dict: every key of ``text_config`` (``model_type``,
+        ``vocab_size``, the sizes...), plus the outer keys it does not set
+        (``quantization_config``, ``torch_dtype``, ``architectures``, ``vision_config``...);
+        ``text_config`` itself is left out, and where both set a key, ``text_config``'s value is
+        kept. Any other file is returned as it is. False: the file's object as it is (what a
+        writer copies back).
+
+    Returns:
+      A fresh dict (the caller may change it).
+
+    Raises:
+      CheckpointError: naming the file: missing, not UTF-8 JSON, or a top level that is not an
+        object.
+    """
+    config = read_json_object(
+        Path(path) / CONFIG_FILE, CheckpointError,
+        missing=f"{{path}}: missing (a checkpoint directory needs {CONFIG_FILE})",
+        unreadable="{path}: not valid JSON ({error})",
+        not_object="{path}: top level is a JSON {type}, expected an object")
+    text = config.get("text_config")
+    if unwrap and isinstance(text, dict):
+        config = {**{k: v for k, v in config.items() if k != "text_config"}, **text}
     return config
 
 

@@ -414,7 +414,7 @@ def _classify(keys):
 
 
 def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
-                        check_values: bool = True) -> tuple[dict, dict]:
+                        check_values: bool = True, config: dict | None = None) -> tuple[dict, dict]:
     """Load a (bitsandbytes-quantized or plain) HF checkpoint directory into JAX.
 
     Tensors are read one at a time and ``jax.device_put`` as read (or staged on the host); no torch
@@ -429,10 +429,14 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
         (module docstring, staging) for the caller to transfer in bulk.
       check_values: check that scales are finite and not negative and unquantized floating
         tensors finite (module docstring); False skips it (only to measure what it costs).
+      config: the checkpoint's config.json as the caller already parsed it (``read_config(path)``:
+        `jqlora.models.load_causal_lm` passes its own, so that the file is parsed once); None
+        reads the file, as it is (``read_config(path, unwrap=False)``).
 
     Returns:
-      ``(params, config)``: config is the parsed config.json; params follows the key scheme in
-      the module docstring (quantized weights by module name, everything else by full key).
+      ``(params, config)``: config is the parsed config.json (`config` when given); params follows
+      the key scheme in the module docstring (quantized weights by module name, everything else by
+      full key).
 
     Raises:
       CheckpointError: anything malformed or inconsistent, or a NaN/Inf (or negative scale)
@@ -441,7 +445,8 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
     if transposed not in ("error", "dequantize"):
         raise ValueError(f"transposed must be 'error' or 'dequantize', got {transposed!r}")
     path = Path(path)
-    config = read_config(path)
+    if config is None:
+        config = read_config(path, unwrap=False)
     with open_checkpoint(path) as ckpt:
         ctx = _Ctx(ckpt)
         keys = ckpt.keys()

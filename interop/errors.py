@@ -1,8 +1,10 @@
 """Errors raised by the interop layer."""
 from __future__ import annotations
 
+from jqlora.errors import Error
 
-class CheckpointError(ValueError):
+
+class CheckpointError(Error, ValueError):
     """A checkpoint file or directory is malformed, inconsistent or unsupported.
 
     The message always names the file and, where one is involved, the tensor or key.

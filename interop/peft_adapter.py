@@ -1,6 +1,6 @@
 """PEFT LoRA adapter directories (``adapter_config.json`` + ``adapter_model.safetensors``), no torch.
 
-Layout written by PEFT 0.21 ``save_pretrained`` (checked against it in tests/test_peft_adapter.py):
+Layout written by PEFT 0.21 ``save_pretrained`` (checked against it in tests/interop/test_peft_adapter.py):
 
 * ``adapter_config.json``: the LoraConfig fields (``peft_type: "LORA"``, ``r``, ``lora_alpha``, ...).
 * ``adapter_model.safetensors``: per adapted module ``<m>`` (a module name of the base model, e.g.
@@ -30,6 +30,7 @@ import numpy as np
 
 from interop.atomic_io import atomic_directory, write_text_atomic
 from interop.errors import CheckpointError
+from interop.json_io import read_json_object
 from interop.safetensors_io import SafetensorsFile, write_safetensors
 
 CONFIG_NAME = "adapter_config.json"
@@ -118,6 +119,46 @@ class AdapterFormatError(CheckpointError):
     """
 
 
+def check_adapter_config(config: Mapping, where: str, error: type[Exception] = AdapterFormatError) -> None:
+    """Check the LoRA fields of a PEFT adapter config, in this order: ``r`` (a positive integer),
+    ``lora_alpha`` (a finite number), ``lora_dropout`` (a number in [0, 1) or null),
+    ``use_rslora`` (true, false or null) and ``target_modules`` (a non-empty list of module names
+    or a regex string). The one check of these fields: the reader (`load_peft_adapter`), the writer
+    (`save_peft_adapter`, on the config it is about to write) and `jqlora.adapters` use it.
+
+    Args:
+      config: the adapter config (JSON values).
+      where: the file to name in the message.
+      error: the exception class raised.
+
+    Raises:
+      `error`: "<where>: 'r' must be a positive integer, got 0" and the like.
+    """
+    def bad(key, want):
+        return error(f"{where}: {key!r} must be {want}, got {config.get(key)!r}")
+
+    r = config.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise bad("r", "a positive integer")
+    alpha = config.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise bad("lora_alpha", "a finite number")
+    dropout = config.get("lora_dropout")
+    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
+                                or not 0.0 <= dropout < 1.0):
+        raise bad("lora_dropout", "a number in [0, 1) or null")
+    if config.get("use_rslora") is not None and not isinstance(config.get("use_rslora"), bool):
+        raise bad("use_rslora", "true, false or null")
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise error(f"{where}: 'target_modules' regex {targets!r} is invalid: {e}") from None
+    elif not (isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) and t for t in targets)):
+        raise bad("target_modules", "a non-empty list of module names or a regex string")
+
+
 # ------------------------------------------------------------------------------------------ helpers
 def _as_float32(x, what: str) -> np.ndarray:
     """Any array (JAX, numpy, ml_dtypes bf16) -> contiguous float32 numpy array (exact for bf16/fp16)."""
@@ -179,7 +220,7 @@ def save_peft_adapter(
     """
     path = os.fspath(path)
     config = _make_config(
-        rank=rank, alpha=alpha, target_modules=target_modules,
+        os.path.join(path, CONFIG_NAME), rank=rank, alpha=alpha, target_modules=target_modules,
         base_model_name_or_path=base_model_name_or_path, use_rslora=use_rslora,
         dropout=dropout, bias=bias, task_type=task_type,
     )
@@ -198,27 +239,23 @@ def save_peft_adapter(
     return path
 
 
-def _make_config(*, rank, alpha, target_modules, base_model_name_or_path, use_rslora, dropout, bias, task_type):
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank <= 0:
-        raise AdapterFormatError(f"rank must be a positive int, got {rank!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)) or not math.isfinite(alpha):
-        raise AdapterFormatError(f"alpha must be a finite number, got {alpha!r}")
-    if isinstance(target_modules, str):
-        try:
-            re.compile(target_modules)
-        except re.error as e:
-            raise AdapterFormatError(f"target_modules regex {target_modules!r} is invalid: {e}") from e
-        targets: Any = target_modules
-    elif isinstance(target_modules, Sequence) and target_modules and all(isinstance(t, str) and t for t in target_modules):
-        targets = sorted(set(target_modules))
-    else:
-        raise AdapterFormatError(f"target_modules must be a non-empty list of names or a regex string, got {target_modules!r}")
+def _make_config(config_file: str, *, rank, alpha, target_modules, base_model_name_or_path, use_rslora, dropout,
+                 bias, task_type):
+    """The adapter_config.json to write to `config_file`, its LoRA fields checked by
+    `check_adapter_config` (numpy scalars count as the numbers they hold)."""
+    def plain(v):
+        return v.item() if isinstance(v, (np.integer, np.floating)) else v
+
+    if isinstance(target_modules, Sequence) and not isinstance(target_modules, str):
+        target_modules = list(target_modules)
+    check_adapter_config({"r": plain(rank), "lora_alpha": plain(alpha), "lora_dropout": float(dropout),
+                          "target_modules": target_modules}, config_file)
+    targets: Any = target_modules if isinstance(target_modules, str) else sorted(set(target_modules))
     if bias not in ("none", "all", "lora_only"):
         raise AdapterFormatError(f"bias must be 'none', 'all' or 'lora_only', got {bias!r}")
     if bias != "none":
         raise AdapterFormatError(f"bias={bias!r} needs bias tensors in the adapter; only bias='none' is supported")
-    if not 0.0 <= float(dropout) < 1.0:
-        raise AdapterFormatError(f"dropout must be in [0, 1), got {dropout!r}")
+    alpha = plain(alpha)
     alpha = int(alpha) if float(alpha).is_integer() else float(alpha)
     # The LoraConfig fields PEFT 0.21 writes that affect loading, with PEFT's defaults for the rest.
     return {
@@ -363,19 +400,9 @@ def _unknown_key_reason(key: str) -> str:
 
 
 def _read_config(config_file: str) -> dict:
-    if not os.path.isfile(config_file):
-        raise AdapterFormatError(f"{config_file}: missing (not a PEFT adapter directory)")
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise AdapterFormatError(f"{config_file}: cannot read: {e}") from e
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise AdapterFormatError(f"{config_file}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
-    if not isinstance(config, dict):
-        raise AdapterFormatError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    config = read_json_object(
+        config_file, AdapterFormatError, missing="{path}: missing (not a PEFT adapter directory)",
+        invalid="{path}: malformed JSON at line {error.lineno}, column {error.colno}: {error.msg}")
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise AdapterFormatError(f"{config_file}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")
@@ -383,29 +410,10 @@ def _read_config(config_file: str) -> dict:
     def bad(key, want):
         return AdapterFormatError(f"{config_file}: {key!r} must be {want}, got {config.get(key)!r}")
 
-    r = config.get("r")
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise bad("r", "a positive integer")
-    alpha = config.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise bad("lora_alpha", "a finite number")
-    dropout = config.get("lora_dropout")
-    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
-                                or not 0.0 <= dropout < 1.0):
-        raise bad("lora_dropout", "a number in [0, 1) or null")
-    if config.get("use_rslora") is not None and not isinstance(config.get("use_rslora"), bool):
-        raise bad("use_rslora", "true, false or null")
+    check_adapter_config(config, config_file)
     base = config.get("base_model_name_or_path")
     if base is not None and not isinstance(base, str):
         raise bad("base_model_name_or_path", "a string or null")
-    targets = config.get("target_modules")
-    if isinstance(targets, str):
-        try:
-            re.compile(targets)
-        except re.error as e:
-            raise AdapterFormatError(f"{config_file}: 'target_modules' regex {targets!r} is invalid: {e}") from None
-    elif not (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)):
-        raise bad("target_modules", "a non-empty list of module names or a regex string")
     for key in ("rank_pattern", "alpha_pattern"):
         pattern = config.get(key) or {}
         if not isinstance(pattern, dict):
@@ -447,4 +455,5 @@ def _read_safetensors(weights_file: str) -> dict:
     return tensors
 
 
-__all__ = ["save_peft_adapter", "load_peft_adapter", "AdapterFormatError", "CONFIG_NAME", "WEIGHTS_NAME"]
+__all__ = ["save_peft_adapter", "load_peft_adapter", "check_adapter_config", "AdapterFormatError", "CONFIG_NAME",
+           "WEIGHTS_NAME"]

@@ -37,6 +37,7 @@ import numpy as np
 from interop.atomic_io import atomic_path, write_bytes_atomic  # noqa: F401  (write_bytes_atomic re-exported)
 
 from interop.errors import CheckpointError
+from interop.json_io import read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -314,11 +315,10 @@ def open_checkpoint(path) -> Checkpoint:
         return Checkpoint([f], {k: f for k in f.keys()}, path)
     if not index_path.exists():
         raise CheckpointError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}")
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{index_path}: cannot parse the shard index ({e})") from e
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    index = read_json_object(
+        index_path, CheckpointError, unreadable="{path}: cannot parse the shard index ({error})",
+        not_object="{path}: 'weight_map' must be an object mapping tensor names to shard files")
+    weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                    for k, v in weight_map.items()):
         raise CheckpointError(f"{index_path}: 'weight_map' must be an object mapping tensor names to shard files")

@@ -52,7 +52,8 @@ def _bnb():
 # ------------------------------------------------------------------------------------------
 # arrays
 
-def _torch_to_numpy(t) -> np.ndarray:
+def torch_to_numpy(t) -> np.ndarray:
+    """A torch tensor as a numpy array on the host (bfloat16 and float8 as their ml_dtypes types)."""
     torch = _torch()
     t = t.detach().cpu()
     special = {
@@ -77,7 +78,7 @@ def tensor_to_jax(t, *, copy: bool = False, device=None) -> jax.Array:
     try:
         arr = jax.dlpack.from_dlpack(t)
     except Exception:  # dtype or device DLPack / JAX refuses: go through host memory
-        arr = jnp.asarray(np.array(_torch_to_numpy(t)))
+        arr = jnp.asarray(np.array(torch_to_numpy(t)))
         copy = False
     if device is not None:
         arr = jax.device_put(arr, device)
@@ -179,7 +180,8 @@ def weight_to_params4bit(q: Weight4bit, *, copy: bool = False, device="cpu", mod
 # ------------------------------------------------------------------------------------------
 # 8-bit
 
-def _int8_parts(module_or_param):
+def int8_parts(module_or_param):
+    """(CB, SCB, threshold, has_fp16_weights) of a bitsandbytes Linear8bitLt or its Int8Params."""
     bnb = _bnb()
     if isinstance(module_or_param, bnb.nn.Linear8bitLt):
         mod = module_or_param
@@ -197,7 +199,7 @@ def _int8_parts(module_or_param):
 def int8_to_weight(module_or_param, *, copy: bool = False, device=None) -> Int8Weight:
     """bnb Int8Params / Linear8bitLt (quantized, has_fp16_weights=False) -> Int8Weight."""
     torch = _torch()
-    cb, scb, threshold, fp16 = _int8_parts(module_or_param)
+    cb, scb, threshold, fp16 = int8_parts(module_or_param)
     if fp16 or cb.dtype != torch.int8 or scb is None:
         raise ValueError("Int8Params is not quantized (has_fp16_weights=True, or no SCB / int8 CB yet); "
                          "move it to a device with has_fp16_weights=False first")

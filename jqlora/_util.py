@@ -10,7 +10,13 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from jqlora.errors import SettingError
+
 DTYPES = ("float32", "bfloat16", "float16")
+# the qmatmul backends (`jqlora.ops.BACKENDS`) and the formats `load_causal_lm(quantize=)` takes,
+# named here, with nothing imported, for the flags and settings checks the CLI makes before jax loads
+BACKENDS = ("auto", "pallas", "interpret", "xla")
+QUANTIZE_FORMATS = ("nf4", "fp4", "int8")
 
 
 def quiet_third_party() -> None:
@@ -83,12 +89,12 @@ def jnp_dtype(name: str):
       name: one of `DTYPES` ("float32", "bfloat16", "float16").
 
     Raises:
-      ValueError: for any other name.
+      SettingError: for any other name (a ValueError).
     """
     import jax.numpy as jnp  # noqa: PLC0415
 
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+        raise SettingError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return jnp.dtype(name)
 
 
@@ -139,10 +145,10 @@ def resolve_attention(name: str, compute_dtype: str) -> tuple[str, str]:
       short phrase saying why it was chosen.
 
     Raises:
-      ValueError: an unknown name.
+      SettingError: an unknown name (a ValueError).
     """
     if name not in ATTENTION_CHOICES:
-        raise ValueError(f"unknown attention {name!r}; expected one of {', '.join(ATTENTION_CHOICES)}")
+        raise SettingError(f"unknown attention {name!r}; expected one of {', '.join(ATTENTION_CHOICES)}")
     if name != "auto":
         return name, "requested"
     import jax  # noqa: PLC0415
@@ -156,17 +162,6 @@ def resolve_attention(name: str, compute_dtype: str) -> tuple[str, str]:
     return "cudnn", "auto: GPU with cuDNN flash attention"
 
 
-def resolve_remat(remat):
-    """The remat setting handed to training for the CLI's `--remat`: "auto" stays "auto" where
-    the models pick a policy by memory (`jqlora.models.remat_plan`); with models that do not,
-    "auto" means no remat, those models' default. Any other value is returned as is."""
-    if remat != "auto":
-        return remat
-    from jqlora import models  # noqa: PLC0415
-
-    return "auto" if hasattr(models, "remat_plan") else False
-
-
 def fmt_bytes(n: float) -> str:
     """A byte count in binary units: 512 B, 1.50 KiB, 2.00 GiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -176,9 +171,9 @@ def fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-__all__ = ["DTYPES", "quiet_third_party", "raise_host_offload_limit", "host_offload_limit_gb", "physical_memory",
+__all__ = ["DTYPES", "BACKENDS", "QUANTIZE_FORMATS", "quiet_third_party", "raise_host_offload_limit", "host_offload_limit_gb", "physical_memory",
            "jnp_dtype", "default_compute_dtype", "fmt_bytes", "ATTENTION_CHOICES",
-           "ATTENTION_AUTO_HELP", "cudnn_attention_available", "resolve_attention", "resolve_remat"]
+           "ATTENTION_AUTO_HELP", "cudnn_attention_available", "resolve_attention"]
 
 
 def user_cache_dir(name: str, environ: Mapping[str, str] | None = None) -> Path:

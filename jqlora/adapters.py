@@ -13,15 +13,14 @@ module only maps it onto `jqlora.lora.LoraConfig` and a model's LoRA layers:
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from jqlora.errors import Error
 from jqlora.lora import LoraConfig, linear_names, lora_params_by_module, set_lora_params
 
 
-class AdapterMismatchError(ValueError):
+class AdapterMismatchError(Error, ValueError):
     """A PEFT adapter that does not fit the model (unknown module, wrong shape, unsupported option),
     or that names no local base model to apply it to."""
 
@@ -40,7 +39,7 @@ def lora_config_from_peft(cfg: Mapping[str, Any], where: str = "adapter_config.j
         or a field of the wrong type or range (r, lora_alpha, lora_dropout, target_modules,
         use_rslora).
     """
-    from interop.peft_adapter import AdapterFormatError, unsupported
+    from interop.peft_adapter import AdapterFormatError, check_adapter_config, unsupported
 
     if not isinstance(cfg, Mapping):
         raise AdapterMismatchError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
@@ -48,31 +47,14 @@ def lora_config_from_peft(cfg: Mapping[str, Any], where: str = "adapter_config.j
         unsupported(cfg, where)
     except AdapterFormatError as e:
         raise AdapterMismatchError(str(e)) from None
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
-    dropout, rslora, targets = cfg.get("lora_dropout"), cfg.get("use_rslora"), cfg.get("target_modules")
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise AdapterMismatchError(f"{where}: 'r' must be a positive integer, got {r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise AdapterMismatchError(f"{where}: 'lora_alpha' must be a finite number, got {alpha!r}")
-    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
-                                or not 0.0 <= dropout < 1.0):
-        raise AdapterMismatchError(f"{where}: 'lora_dropout' must be a number in [0, 1) or null, got {dropout!r}")
-    if rslora is not None and not isinstance(rslora, bool):
-        raise AdapterMismatchError(f"{where}: 'use_rslora' must be true, false or null, got {rslora!r}")
-    if targets is None:
+    if cfg.get("target_modules") is None:
         raise AdapterMismatchError(f"{where}: target_modules is missing")
-    if isinstance(targets, str):
-        try:
-            re.compile(targets)
-        except re.error as e:
-            raise AdapterMismatchError(f"{where}: 'target_modules' regex {targets!r} is invalid: {e}") from None
-    elif isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) and t for t in targets):
-        targets = tuple(targets)
-    else:
-        raise AdapterMismatchError(f"{where}: 'target_modules' must be a non-empty list of module names or a "
-                                   f"regex string, got {targets!r}")
-    return LoraConfig(rank=r, alpha=float(alpha), dropout=float(dropout or 0.0), target_modules=targets,
-                      use_rslora=bool(rslora))
+    cfg = {**cfg, "lora_alpha": cfg.get("lora_alpha", cfg.get("r"))}  # no lora_alpha: alpha = r
+    check_adapter_config(cfg, where, AdapterMismatchError)
+    targets = cfg["target_modules"]
+    return LoraConfig(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout") or 0.0),
+                      target_modules=targets if isinstance(targets, str) else tuple(targets),
+                      use_rslora=bool(cfg.get("use_rslora")))
 
 
 def save_adapter(path, model, lora_config: LoraConfig, *, base_model: Optional[str] = None) -> str:

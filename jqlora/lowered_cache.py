@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -144,16 +143,6 @@ def _slot(key) -> dict:
     return {}
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _make(fun: Callable, static: Mapping[str, Any], leaves: list, in_tree, directory: Path, name: str,
           donate: tuple) -> Callable:
     """The runnable program of the flat arguments: a stored lowering, a new one (stored), or plain jit.
@@ -175,7 +164,10 @@ def _make(fun: Callable, static: Mapping[str, Any], leaves: list, in_tree, direc
         try:
             exported = jax.export.export(jitted, disabled_checks=[
                 jax.export.DisabledSafetyCheck.custom_call("ALL")])(*leaves)  # read back here only
-            _write_atomically(path, exported.serialize())
+            from interop.atomic_io import write_bytes_atomic  # noqa: PLC0415
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(path, exported.serialize(), fsync=False)  # a lost entry is a miss
         except Exception as e:  # noqa: BLE001 - storing is an optimisation: run uncached
             log.warning("%s: not stored (%s: %s); running without the lowered-program cache", name,
                         type(e).__name__, e)

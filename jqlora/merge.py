@@ -16,6 +16,9 @@ this by that rounding). Then, by format:
   ``quantization_config`` that describes the weights (`interop.bnb_save`). Quantized in the
   output: the base's quantized linears (an int8 or fp4 base's too), or, when the base holds none,
   the decoder layers' linears (blocksize 64, double quantization); lm_head stays as it is.
+  Re-quantization can throw the fine-tune away (a delta below NF4's resolution leaves the codes
+  as they were), so the nf4 path measures what it keeps (`requantization_report`) before writing
+  anything, and refuses below ``min_kept`` unless forced.
 
 Tokenizer files and generation_config.json are copied when present. The folder is written
 atomically (nothing half-written on failure) and a tensor at a time: the base is held once, in
@@ -38,8 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jqlora.errors import Error
 from jqlora.lora.linear import base_shape
-from jqlora.quant import Int8Weight, Weight4bit, dequantize, quantize_4bit
+from jqlora.quant import Int8Weight, Weight4bit, dequantize, quantize_4bit, unpack_codes
 
 FORMATS = ("bf16", "float32", "nf4")
 _DENSE_DTYPES = {"bf16": "bfloat16", "float32": "float32"}
@@ -52,11 +56,26 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5
 DEFAULT_BLOCKSIZE = 64
 DEFAULT_DOUBLE_QUANT = True
 _STORED_DTYPES = ("float16", "bfloat16", "float32")
+# The NF4 export is refused below this kept share of the adapter's effect: under it the exported
+# weights are further from the fine-tuned ones than half of what the fine-tune changed.
+DEFAULT_MIN_KEPT = 0.5
+# The fixed random inputs of the kept-share measure: rows of N(0, 1) float32, seeded.
+PROBE_ROWS = 256
+PROBE_SEED = 0
 
 
-class MergeError(ValueError):
+class MergeError(Error, ValueError):
     """An adapter that does not fit the base checkpoint; the message names the adapter file and
     the tensor key."""
+
+
+class RequantizationError(MergeError):
+    """An NF4 export refused because re-quantization keeps less of the adapter's effect than the
+    threshold; `report` is the measurement (`merge_adapter`'s "requantization" entry)."""
+
+    def __init__(self, message: str, report: Mapping[str, Any]):
+        super().__init__(message)
+        self.report = dict(report)
 
 
 # ------------------------------------------------------------------------------------------- merge
@@ -201,16 +220,86 @@ def _dense_config(config: dict, dtype_name: str) -> dict:
     return cfg
 
 
-def _requantize(params: dict, config: Mapping, plan: Mapping[str, str], adapter: _Adapter) -> int:
+# ---------------------------------------------------------------- what NF4 re-quantization keeps
+def probe_inputs(in_features: int, rows: int = PROBE_ROWS, seed: int = PROBE_SEED) -> np.ndarray:
+    """The fixed inputs X of the kept-share measure: (rows, in_features) standard normal float32
+    from ``numpy.random.default_rng(seed)``, the same for every layer of a given in_features."""
+    return np.random.default_rng(seed).standard_normal((rows, in_features), dtype=np.float32)
+
+
+def _effect_impl(new_q, base_q, a, b, scale, x):
+    hi = jax.lax.Precision.HIGHEST
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    effect_true = scale * jnp.matmul(jnp.matmul(x, a.T, precision=hi), b.T, precision=hi)
+    delta_q = dequantize(new_q, jnp.float32) - dequantize(base_q, jnp.float32)
+    effect_kept = jnp.matmul(x, delta_q.T, precision=hi)
+    n = new_q.numel
+    changed = jnp.sum(unpack_codes(new_q.packed, n) != unpack_codes(base_q.packed, n))
+    return jnp.linalg.norm(effect_kept - effect_true), jnp.linalg.norm(effect_true), changed
+
+
+# Compiled once per weight format and shape; float32 products at full precision (no TF32).
+_effect = jax.jit(_effect_impl)
+
+
+def requantized_effect(new_q: Weight4bit, base_q: Weight4bit, lora_A, lora_B, scale: float,
+                       x=None) -> dict[str, Any]:
+    """What the NF4 weight `new_q` (the merge, re-quantized) keeps of one LoRA module's effect.
+
+    With X = `probe_inputs` (or `x`), the adapter's effect is ``effect_true = X (scale B A)^T`` and
+    what the export keeps of it is ``effect_kept = X (dequant(new_q) - dequant(base_q))^T``, in
+    float32 (norms Frobenius).
+
+    Returns {"kept", "error", "effect_norm", "error_norm", "codes_changed", "codes"}:
+      effect_norm, error_norm: ||effect_true||, ||effect_kept - effect_true||.
+      error: error_norm / effect_norm, the exported layer's distance from the fine-tuned one in
+        units of the fine-tune's effect (0.0 when effect_norm is 0: nothing to lose).
+      kept: max(0, 1 - error): 1.0 for a perfect merge, 0 when re-quantization gives back the
+        base's weights (kept = 0: the delta is gone) or adds more noise than the delta.
+      codes_changed / codes: 4-bit codes of `new_q` that differ from `base_q`'s, and all of them.
+    """
+    in_features = new_q.shape[1]
+    x = probe_inputs(in_features) if x is None else x
+    err, true, changed = _effect(new_q, base_q, jnp.asarray(lora_A), jnp.asarray(lora_B), jnp.float32(scale),
+                                 jnp.asarray(x, jnp.float32))
+    err, true = float(err), float(true)
+    error = err / true if true > 0 else 0.0
+    return dict(kept=max(0.0, 1.0 - error), error=error, effect_norm=true, error_norm=err,
+                codes_changed=int(changed), codes=int(new_q.numel))
+
+
+def requantization_report(modules: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The totals over `requantized_effect`'s per-module results: the relative error is
+    sum(error_norm) / sum(effect_norm), i.e. the per-module errors averaged with the effect norms as
+    weights, and kept = max(0, 1 - that) (1.0 when no module has any effect: nothing to lose);
+    codes_changed / codes are summed over the merged modules."""
+    true = sum(m["effect_norm"] for m in modules.values())
+    err = sum(m["error_norm"] for m in modules.values())
+    error = err / true if true > 0 else 0.0
+    changed, codes = sum(m["codes_changed"] for m in modules.values()), sum(m["codes"] for m in modules.values())
+    return dict(measure="kept = max(0, 1 - sum ||X (dQ - scale B A)^T|| / sum ||X (scale B A)^T||) over the "
+                        "merged layers, dQ = dequant(merged NF4) - dequant(base NF4), X: "
+                        f"{PROBE_ROWS} seeded N(0, 1) rows",
+                kept=max(0.0, 1.0 - error), error=error, codes_changed=changed, codes=codes,
+                changed_share=changed / codes if codes else 0.0, modules=dict(modules))
+
+
+def _requantize(params: dict, config: Mapping, plan: Mapping[str, str],
+                adapter: _Adapter) -> tuple[int, dict[str, Any]]:
     """Rewrite `params` for the NF4 output, a weight at a time: each weight the module docstring
     says is quantized becomes an NF4 `Weight4bit` of its merged (or unchanged) value; a merged
-    weight that stays dense keeps its dtype. Returns how many weights were quantized."""
+    weight that stays dense keeps its dtype. Returns how many weights were quantized, and
+    `requantization_report` over the merged weights that were quantized.
+
+    A merged weight's NF4 codes and effect are compared with the base's quantization in the same
+    format: the stored weight of an NF4 base, else the base weight quantized as the output is
+    (an int8, fp4 or dense base is quantized too, so its own rounding is not counted as lost)."""
     linears = _linear_modules(params)
     quantized = {m for m, k in linears.items() if _is_quantized(params[k])}
     if not quantized:  # a dense base: what transformers quantizes, the decoder layers' linears
         quantized = {m for m in linears if ".layers." in f".{m}"}
     config_dtype = config.get("dtype", config.get("torch_dtype"))
-    count = 0
+    count, effects = 0, {}
     for m in sorted(quantized | set(plan)):
         key = linears[m]
         base = params[key]
@@ -233,7 +322,21 @@ def _requantize(params: dict, config: Mapping, plan: Mapping[str, str], adapter:
             blocksize, nested, stored = DEFAULT_BLOCKSIZE, DEFAULT_DOUBLE_QUANT, jnp.dtype(base.dtype).name
         params[m] = dataclasses.replace(quantize_4bit(w, "nf4", blocksize, nested), stored_dtype=stored)
         count += 1
-    return count
+        if m in plan:
+            if isinstance(base, Weight4bit) and base.quant_type == "nf4":
+                base_q = base
+            else:
+                base_q = quantize_4bit(dequantize(base, jnp.float32), "nf4", blocksize, nested)
+            pair = adapter.params[m]
+            effects[m] = requantized_effect(params[m], base_q, pair["lora_A"], pair["lora_B"], adapter.scale)
+    return count, requantization_report(effects)
+
+
+def _refusal(report: Mapping[str, Any], min_kept: float) -> str:
+    return (f"nf4 re-quantization keeps {report['kept']:.1%} of the adapter's effect on its layers' outputs "
+            f"({report['codes_changed']} of the merged weights' {report['codes']} 4-bit codes changed), below "
+            f"min_kept={min_kept:.0%}: nothing written. format='bf16' keeps the merge exactly; force=True "
+            f"writes the NF4 folder anyway")
 
 
 # ------------------------------------------------------------------------------------------ the API
@@ -245,7 +348,8 @@ def _check_args(out: Path, format: str) -> None:  # noqa: A002
 
 
 def merge_adapter(base, adapter, out, *, format: str = "bf16",  # noqa: A002 - the CLI's word
-                  max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+                  max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES, min_kept: float = DEFAULT_MIN_KEPT,
+                  force: bool = False) -> dict[str, Any]:
     """Merge the PEFT adapter `adapter` into the checkpoint `base` and write the folder `out`.
 
     Args:
@@ -255,11 +359,16 @@ def merge_adapter(base, adapter, out, *, format: str = "bf16",  # noqa: A002 - t
       format: "bf16" or "float32" (dense: plain transformers) or "nf4" (bitsandbytes NF4).
       max_shard_bytes: weights larger than this are split into shards plus an index, as
         transformers does; None writes one file.
+      min_kept: nf4 only: the least share of the adapter's effect the re-quantized weights must
+        keep ("kept" of `requantization_report`, 0..1); below it nothing is written and
+        RequantizationError is raised.
+      force: nf4 only: write the folder whatever share is kept.
 
     Returns:
       {"out", "format", "base", "adapter", "merged" (modules changed), "quantized" (weights
       quantized anew, nf4), "rank", "alpha", "use_rslora", "scale", "files" (copied beside the
-      weights)}.
+      weights), "requantization" (nf4: `requantization_report` plus "min_kept" and "below_min";
+      None for the dense formats)}.
 
     Raises:
       MergeError: an adapter module the base lacks, a shape mismatch, or a module the adapter's
@@ -267,6 +376,7 @@ def merge_adapter(base, adapter, out, *, format: str = "bf16",  # noqa: A002 - t
       interop.CheckpointError, AdapterFormatError, AdapterMismatchError: a malformed base or
         adapter (the message names the file and tensor).
       FileExistsError: `out` exists.
+      RequantizationError: nf4, not `force`, and re-quantization keeps less than `min_kept`.
     """
     import interop
     from interop.atomic_io import atomic_directory
@@ -278,10 +388,14 @@ def merge_adapter(base, adapter, out, *, format: str = "bf16",  # noqa: A002 - t
     adapter = _load_adapter(adapter)
     params, config = interop.load_bnb_checkpoint(base)
     plan = _check_fit(adapter, params, base)
-    quantized = 0
+    quantized, requant = 0, None
+    if format == "nf4":  # quantized and measured in memory: a refusal writes nothing
+        quantized, requant = _requantize(params, config, plan, adapter)
+        requant.update(min_kept=min_kept, below_min=requant["kept"] < min_kept)
+        if requant["below_min"] and not force:
+            raise RequantizationError(_refusal(requant, min_kept), requant)
     with atomic_directory(out) as tmp:
         if format == "nf4":
-            quantized = _requantize(params, config, plan, adapter)
             interop.save_bnb_checkpoint(tmp, params, config, max_shard_bytes=max_shard_bytes, overwrite=True)
         else:
             dtype_name = _DENSE_DTYPES[format]
@@ -292,11 +406,12 @@ def merge_adapter(base, adapter, out, *, format: str = "bf16",  # noqa: A002 - t
         files = _copy_side_files(base, tmp)
     return dict(out=str(out), format=format, base=str(base), adapter=str(adapter.path), merged=len(plan),
                 quantized=quantized, rank=adapter.rank, alpha=adapter.alpha, use_rslora=adapter.use_rslora,
-                scale=adapter.scale, files=files)
+                scale=adapter.scale, files=files, requantization=requant)
 
 
 def merge_run(source, out, *, format: str = "bf16", step: Optional[int] = None,  # noqa: A002
-              model_path=None, max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+              model_path=None, max_shard_bytes: Optional[int] = DEFAULT_MAX_SHARD_BYTES,
+              min_kept: float = DEFAULT_MIN_KEPT, force: bool = False) -> dict[str, Any]:
     """Merge a training run's checkpoint into its base model: the checkpoint is exported as a PEFT
     adapter into a temporary folder by `jqlora.runs.export_adapter` (which validates it), then
     merged by `merge_adapter`.
@@ -304,7 +419,7 @@ def merge_run(source, out, *, format: str = "bf16", step: Optional[int] = None, 
     Args:
       source: a run directory, its checkpoints/ directory, or one step directory.
       out: the folder to write; must not exist.
-      format: as in `merge_adapter`.
+      format, min_kept, force: as in `merge_adapter`.
       step: the checkpoint's step (None: the newest).
       model_path: the base checkpoint (None: the run record's model).
 
@@ -318,10 +433,38 @@ def merge_run(source, out, *, format: str = "bf16", step: Optional[int] = None, 
     with tempfile.TemporaryDirectory(prefix="jqlora-merge-") as tmp:
         exported = export_adapter(source, Path(tmp) / "adapter", step=step, model_path=model_path)
         report = merge_adapter(exported["model"], exported["adapter"], out, format=format,
-                               max_shard_bytes=max_shard_bytes)
+                               max_shard_bytes=max_shard_bytes, min_kept=min_kept, force=force)
     report.pop("adapter")  # a temporary folder, gone
     return dict(report, source=str(source), step=exported["step"], checkpoint=exported["checkpoint"])
 
 
-__all__ = ["FORMATS", "COPIED_FILES", "DEFAULT_MAX_SHARD_BYTES", "MergeError", "merge_adapter", "merge_run",
-           "merged_weight"]
+def merged_tensors(base, adapter, *, dtype: str = "float32") -> tuple[dict, dict, _Adapter]:
+    """The dense merge of `merge_adapter` without its folder, for writers of other formats (GGUF).
+
+    Args:
+      base: the base checkpoint folder; adapter: a PEFT LoRA adapter folder for it.
+      dtype: "float32" or "bf16", the dtype of every floating tensor.
+
+    Returns:
+      (config, tensors, adapter): the base's config as `interop.load_bnb_checkpoint` reads it;
+      {tensor key: LazyArray} with the keys of the dense folder, each floating tensor merged,
+      dequantized or cast only when read (once), so a writer holds one at a time, integer tensors
+      as stored; the loaded adapter (`params`, `rank`, `alpha`, `use_rslora`, `scale`, `path`).
+
+    Raises:
+      As `merge_adapter`.
+    """
+    import interop
+
+    if dtype not in _DENSE_DTYPES:
+        raise MergeError(f"dtype must be one of {', '.join(_DENSE_DTYPES)}, got {dtype!r}")
+    base = Path(base)
+    adapter = _load_adapter(adapter)
+    params, config = interop.load_bnb_checkpoint(base)
+    plan = _check_fit(adapter, params, base)
+    return config, _dense_tensors(params, plan, adapter, jnp.dtype(_DENSE_DTYPES[dtype])), adapter
+
+
+__all__ = ["FORMATS", "COPIED_FILES", "DEFAULT_MAX_SHARD_BYTES", "DEFAULT_MIN_KEPT", "MergeError",
+           "RequantizationError", "merge_adapter", "merge_run", "merged_tensors", "merged_weight", "probe_inputs",
+           "requantized_effect", "requantization_report"]

@@ -19,7 +19,7 @@ One mesh with two axes, ``data`` and ``fsdp`` (either may be 1):
   Checkpoints and PEFT exports then read them like single-device arrays, giving the same files.
 
 Inside the step, each product ``qmatmul`` runs under ``jax.shard_map`` when a mesh is active
-(:func:`product_mesh`): rows of x split like the batch, the weight and LoRA matrices gathered whole
+(:mod:`jqlora.ops.sharding`): rows of x split like the batch, the weight and LoRA matrices gathered whole
 at its boundary. So a Pallas kernel sees whole local tiles (a kernel is an opaque custom call that
 XLA's SPMD partitioner cannot split), each layer's weights are gathered just before its product,
 and the LoRA gradients are summed over devices by the shard_map transpose. Everything else (norms,
@@ -31,7 +31,6 @@ the mesh then spans ``jax.devices()`` and every array here is built with
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -42,14 +41,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jqlora.errors import SettingError
+from jqlora.ops.sharding import AXES, ROWS
+
 log = logging.getLogger(__name__)
 
 __all__ = ["AXES", "parse_mesh_spec", "make_mesh", "resolve_mesh", "row_count", "check_batch_size",
-           "shard_batch", "placement", "place_model", "place_state", "weight_layout", "activate",
-           "product_mesh", "per_device", "with_mesh"]
-
-AXES = ("data", "fsdp")
-ROWS = AXES  # the mesh axes batch rows are split over
+           "shard_batch", "placement", "place_model", "place_state", "weight_layout"]
 # Arrays of at most this many elements are replicated by the loader's shape rule (code tables,
 # the 256-entry dynamic map, scalars): cutting them saves nothing.
 _SMALL = 256
@@ -67,7 +65,7 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
       spec: comma-separated ``axis=size`` pairs; axes ``data`` and ``fsdp``, sizes >= 1.
 
     Raises:
-      ValueError: an unknown axis, a repeated axis, a size that is not a positive integer.
+      SettingError: an unknown axis, a repeated axis, a size that is not a positive integer.
     """
     sizes = {a: 1 for a in AXES}
     seen = set()
@@ -77,18 +75,18 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
             continue
         m = re.fullmatch(r"([A-Za-z_]+)\s*=\s*(\d+)", part)
         if m is None:
-            raise ValueError(f"mesh spec {spec!r}: {part!r} is not axis=size (e.g. 'data=2,fsdp=2')")
+            raise SettingError(f"mesh spec {spec!r}: {part!r} is not axis=size (e.g. 'data=2,fsdp=2')")
         axis, size = m.group(1), int(m.group(2))
         if axis not in AXES:
-            raise ValueError(f"mesh spec {spec!r}: unknown axis {axis!r}; axes are {', '.join(AXES)}")
+            raise SettingError(f"mesh spec {spec!r}: unknown axis {axis!r}; axes are {', '.join(AXES)}")
         if axis in seen:
-            raise ValueError(f"mesh spec {spec!r}: axis {axis!r} given twice")
+            raise SettingError(f"mesh spec {spec!r}: axis {axis!r} given twice")
         if size < 1:
-            raise ValueError(f"mesh spec {spec!r}: axis {axis!r} has size {size}; sizes are >= 1")
+            raise SettingError(f"mesh spec {spec!r}: axis {axis!r} has size {size}; sizes are >= 1")
         seen.add(axis)
         sizes[axis] = size
     if not seen:
-        raise ValueError(f"mesh spec {spec!r} names no axis (e.g. 'data=2,fsdp=2')")
+        raise SettingError(f"mesh spec {spec!r} names no axis (e.g. 'data=2,fsdp=2')")
     return sizes
 
 
@@ -101,7 +99,7 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh
         ``jax.distributed``).
 
     Raises:
-      ValueError: a malformed spec, or one that needs more devices than there are.
+      SettingError: a malformed spec, or one that needs more devices than there are.
     """
     devices = list(jax.devices() if devices is None else devices)
     if spec is None:
@@ -112,7 +110,7 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh
         sizes = parse_mesh_spec(",".join(f"{k}={v}" for k, v in dict(spec).items()))
     n = sizes["data"] * sizes["fsdp"]
     if n > len(devices):
-        raise ValueError(f"mesh data={sizes['data']},fsdp={sizes['fsdp']} needs {n} devices; "
+        raise SettingError(f"mesh data={sizes['data']},fsdp={sizes['fsdp']} needs {n} devices; "
                          f"there are {len(devices)}")
     grid = np.array(devices[:n], dtype=object).reshape(sizes["data"], sizes["fsdp"])
     return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -151,10 +149,10 @@ def row_count(mesh: Mesh | None) -> int:
 
 
 def check_batch_size(batch_size: int, mesh: Mesh | None, what: str = "batch_size") -> None:
-    """Raise ValueError unless ``batch_size`` rows split evenly over the mesh."""
+    """Raise SettingError (a ValueError) unless ``batch_size`` rows split evenly over the mesh."""
     n = row_count(mesh)
     if batch_size % n:
-        raise ValueError(
+        raise SettingError(
             f"{what} {batch_size} does not split over the mesh (data={mesh.shape['data']}, "
             f"fsdp={mesh.shape['fsdp']}): every device takes its own rows, so the global batch must "
             f"be a multiple of data * fsdp = {n}")
@@ -343,75 +341,3 @@ def placement(mesh: Mesh) -> Callable:
         return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
 
     return put
-
-
-# ----------------------------------------------------------------------------------------------
-# inside the step
-# ----------------------------------------------------------------------------------------------
-
-def activate(mesh: Mesh | None):
-    """A context in which traced products run per device over ``mesh`` (nothing when None)."""
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-
-
-def with_mesh(mesh: Mesh | None, fn: Callable) -> Callable:
-    """``fn`` called inside :func:`activate` ``(mesh)``; ``fn`` itself when ``mesh`` is None."""
-    if mesh is None:
-        return fn
-
-    def call(*args, **kwargs):
-        with activate(mesh):
-            return fn(*args, **kwargs)
-
-    return call
-
-
-def product_mesh(rows: int):
-    """The active mesh's row axes when a product of ``rows`` rows should run per device, else None.
-
-    None outside :func:`activate`, on a one-device mesh, inside a shard_map already, or when
-    ``rows`` does not split over ``data * fsdp`` (the product then runs as XLA partitions it).
-    """
-    am = jax.sharding.get_abstract_mesh()
-    if am.empty or am.size == 1 or am.manual_axes or not set(ROWS) <= set(am.axis_names):
-        return None
-    n = int(np.prod([am.shape[a] for a in ROWS]))
-    return am if n > 1 and rows % n == 0 else None
-
-
-def per_device(fn: Callable, x, *whole):
-    """``fn(x, *whole)`` with x's rows split over the active mesh and ``whole`` gathered.
-
-    Runs ``fn`` under ``jax.shard_map``: x (rows, K) arrives as this device's rows, every array of
-    ``whole`` (the weight pytree, LoRA matrices) whole; the transpose sums the per-device
-    cotangents of ``whole`` over the mesh. Without an active mesh (see :func:`product_mesh`) it is
-    ``fn(x, *whole)``.
-    """
-    am = product_mesh(x.shape[0])
-    if am is None:
-        return fn(x, *whole)
-
-    rows = P(ROWS, *([None] * (x.ndim - 1)))
-    # check_vma=False: Pallas kernels declare their outputs without a varying-axes type, which
-    # check_vma=True rejects; the transpose still sums the cotangents of the replicated inputs
-    # over the mesh (tests/test_mesh.py compares LoRA weights with a one-device run).
-    return jax.shard_map(fn, mesh=am, in_specs=(rows,) + (P(),) * len(whole), out_specs=rows,
-                         check_vma=False)(x, *whole)
-
-
-def device_share() -> tuple[int, int]:
-    """(row shards, fsdp) of the active mesh: the batch is split into that many row shards and the
-    frozen weights into fsdp shards; (1, 1) without an active mesh. What one device holds, for
-    memory plans made while tracing (`remat="auto"`)."""
-    am = jax.sharding.get_abstract_mesh()
-    if am.empty or am.manual_axes:
-        return 1, 1
-    rows = int(np.prod([am.shape[a] for a in ROWS if a in am.axis_names]))
-    fsdp = int(am.shape["fsdp"]) if "fsdp" in am.axis_names else 1
-    return rows, fsdp
-
-
-def local_rows(rows: int) -> int:
-    """Rows per device for a product of ``rows`` rows (what a kernel sees): ``rows`` without a mesh."""
-    am = product_mesh(rows)
-    return rows if am is None else rows // int(np.prod([am.shape[a] for a in ROWS]))

@@ -1,4 +1,5 @@
-"""A training run directory: its record, config files, and export of its checkpoints to PEFT.
+"""A training run's settings (`RunSettings`), its directory and record, and export of its
+checkpoints to PEFT.
 
 A run directory (the `out_dir` of `jqlora train` or of the demo) holds `checkpoints/step_*`,
 loss.csv / loss.png and the run record `jqlora_run.json`. The record says what a checkpoint alone
@@ -12,111 +13,40 @@ and again at the end. Its keys:
     lora {rank, alpha, dropout, target_modules, use_rslora}, train {TrainConfig fields},
     skipped_batches (optional: steps' batches skipped for having no supervised token)
 
-One process writes to a run directory at a time: `lock_run_dir` holds an exclusive `flock` on
-`<out_dir>/jqlora.lock` (released by the OS however the holder ends, kill -9 included).
+`RunSettings` is the typed form of a record, and the one writer (`RunSettings.write_record`) and
+reader (`RunSettings.read`) of the file. `RunSettings.layered` merges the settings of a run from
+three layers, each overriding the one before: the stored record (when resuming), a config file,
+and flags (`jqlora train`).
+
+One process writes to a run directory at a time (`jqlora.train.lock.lock_run_dir`).
 
 Config files (`jqlora train --config`) and the record are JSON or TOML objects read by
-`load_config_file`. Errors are `RunError`, a ValueError whose message names the file or directory.
-Nothing heavy is imported at module level: the CLI imports this before jax.
+`load_config_file`. Errors are `RunError`, a `jqlora.errors.Error` and a ValueError whose message
+names the file, directory or setting. Nothing heavy is imported at module level: the CLI imports
+this before jax.
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import functools
 import json
 import os
-import sys
+import types
+import typing
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Mapping, Optional, Union
+
+from jqlora.errors import Error
+from jqlora.train.config import TrainConfig
 
 RUN_FILE = "jqlora_run.json"
-LOCK_FILE = "jqlora.lock"
 RUN_FORMAT = "jqlora-run"
 RUN_VERSION = 1
 
 
-class RunError(ValueError):
-    """A run directory, run record, checkpoint choice or config file that cannot be used; the
-    message names the file or directory."""
-
-
-class RunLockedError(RunError):
-    """Another live process holds the run directory's lock; the message names the lock file and
-    the holder's pid."""
-
-
-def _lock_holder(fd: int) -> str:
-    """The pid written in an open lock file, or '' (a holder writes it just after locking)."""
-    try:
-        return os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
-
-
-@contextlib.contextmanager
-def lock_run_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
-    """Hold the exclusive writer lock of a run directory while the `with` body runs.
-
-    Why a `flock` and not a pid file alone: the OS drops it when its holder ends in any way
-    (kill -9 included), so a lock can never outlive its process, and a pid that was reused by an
-    unrelated process cannot keep the directory locked. The lock file holds the holder's pid (for
-    the message) and is removed on release; one left behind by a killed process is stale and is
-    taken over with a message on stderr. A directory this call creates and leaves empty is removed
-    again on release, so a refused command leaves no trace.
-
-    Args:
-      out_dir: the run directory (created if missing).
-
-    Yields:
-      The lock file's path.
-
-    Raises:
-      RunLockedError: another live process holds the lock.
-      OSError: the directory or the lock file cannot be created (read-only, permissions, disk full).
-    """
-    import fcntl
-
-    d = Path(out_dir)
-    created = not d.exists()
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / LOCK_FILE
-    try:
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _lock_holder(fd)
-                os.close(fd)
-                raise RunLockedError(
-                    f"{path}: {d} is in use by another jqlora process (pid {holder or 'unknown'}); "
-                    "wait for it to end or choose another out_dir") from None
-            try:  # the previous holder may have removed the file between our open and our flock
-                same = os.path.samestat(os.fstat(fd), os.stat(path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-    except BaseException:
-        if created:
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
-    try:
-        stale = _lock_holder(fd)
-        if stale:
-            print(f"{path}: taking over the stale lock of pid {stale}, which is no longer running",
-                  file=sys.stderr)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield path
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # before unlocking: a waiter then retries on a fresh file
-        os.close(fd)
-        if created:
-            with contextlib.suppress(OSError):
-                d.rmdir()  # only when empty
+class RunError(Error, ValueError):
+    """A run directory, run record, checkpoint choice, setting or config file that cannot be used;
+    the message names the file, directory or setting."""
 
 
 def load_config_file(path: str | os.PathLike) -> dict:
@@ -150,40 +80,444 @@ def load_config_file(path: str | os.PathLike) -> dict:
     return data
 
 
-def lora_record(lora_config) -> dict:
-    """The `lora` table of a run record for a `jqlora.lora.LoraConfig` (JSON types only)."""
-    targets = lora_config.target_modules
-    return {"rank": lora_config.rank, "alpha": lora_config.alpha, "dropout": lora_config.dropout,
-            "target_modules": targets if isinstance(targets, str) else list(targets),
-            "use_rslora": lora_config.use_rslora}
+# ------------------------------------------------------------------------------------- settings
+@dataclasses.dataclass
+class ModelSettings:
+    """The base model and how it runs. None in `compute_dtype` is the machine's default (float32
+    on CPU, bfloat16 on a GPU); None in `attention` is the loader's default (`jqlora train`
+    layers in "auto"); `quantize` ("nf4", "fp4", "int8") quantizes a plain checkpoint at load;
+    `init_adapter` is a PEFT adapter to start from."""
+
+    model: Optional[str] = None
+    compute_dtype: Optional[str] = None
+    backend: str = "auto"
+    attention: Optional[str] = None
+    quantize: Optional[str] = None
+    init_adapter: Optional[str] = None
 
 
-def lora_config_from_record(lora: dict):
-    """The `jqlora.lora.LoraConfig` a run record's `lora` table describes (inverse of `lora_record`)."""
-    from jqlora.lora import LoraConfig
+@dataclasses.dataclass
+class LoraSettings:
+    """The fields of `jqlora.lora.LoraConfig`, as a run gives them: None is LoraConfig's default
+    (for `target_modules`: every attention and MLP projection). `target_modules` is a tuple of
+    names or one string (a regex on the full dotted name, or "all-linear")."""
 
-    targets = lora.get("target_modules")
-    return LoraConfig(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora.get("dropout", 0.0)),
-                      target_modules=targets if isinstance(targets, str) else tuple(targets),
-                      use_rslora=bool(lora.get("use_rslora", False)))
+    rank: Optional[int] = 16
+    alpha: Optional[float] = 32.0
+    dropout: Optional[float] = 0.0
+    target_modules: Union[str, tuple[str, ...], None] = None
+    use_rslora: Optional[bool] = False
+
+    @classmethod
+    def from_config(cls, config) -> "LoraSettings":
+        """The settings of a `jqlora.lora.LoraConfig`."""
+        return cls(rank=config.rank, alpha=config.alpha, dropout=config.dropout,
+                   target_modules=config.target_modules, use_rslora=config.use_rslora)
+
+    def to_config(self):
+        """The `jqlora.lora.LoraConfig` (imports jqlora.lora, which imports jax).
+
+        Raises:
+          jqlora.errors.SettingError: a value of the wrong type or out of range (rank, dropout, no targets).
+        """
+        from jqlora.lora.config import LoraConfig
+
+        return LoraConfig(**{k: v for k, v in dataclasses.asdict(self).items() if v is not None})
+
+    def to_record(self) -> dict:
+        """The `lora` table of a run record (JSON types only)."""
+        targets = self.target_modules
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+                "target_modules": targets if targets is None or isinstance(targets, str) else list(targets),
+                "use_rslora": self.use_rslora}
 
 
-def write_run_record(out_dir: str | os.PathLike, record: dict) -> Path:
-    """Write `record` atomically to `out_dir/jqlora_run.json`; returns the path.
+@dataclasses.dataclass
+class OutputSettings:
+    """Where the PEFT adapter goes at the end (None: <out_dir>/adapter). The run directory itself
+    is `TrainConfig.out_dir` (`RunSettings.out_dir`): training writes its checkpoints there."""
 
-    Args:
-      out_dir: the run directory (created if missing).
-      record: the record (see the module docstring); `format` and `version` are filled in when absent.
+    adapter_out: Optional[str] = None
+
+
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelSettings))
+LORA_KEYS = tuple(f.name for f in dataclasses.fields(LoraSettings))
+OUTPUT_KEYS = tuple(f.name for f in dataclasses.fields(OutputSettings))
+_TOP_KEYS = MODEL_KEYS + OUTPUT_KEYS  # the keys of a config file's top level besides TrainConfig's
+_RECORD_ONLY = ("format", "version", "skipped_batches")  # what a run record adds
+# `jqlora train`'s defaults where they differ from the dataclasses'
+CLI_DEFAULTS = {"attention": "auto", "remat": "auto"}
+# pairs of settings where one replaces the other: a layer of settings gives at most one of each
+EITHER_OR = (("epochs", "steps"), ("warmup_ratio", "warmup"))
+# what a resumed run must keep: the base, its numerics and the shape of the LoRA being trained
+RESUME_FIXED = ("model", "compute_dtype", "quantize")
+RESUME_FIXED_LORA = ("rank", "alpha", "target_modules", "use_rslora")
+
+
+@functools.cache
+def train_field_types() -> dict[str, Any]:
+    """TrainConfig's field name -> its type (`typing.get_type_hints`: `int`, `float | None`,
+    `bool | str`, `Any`), in field order."""
+    hints = typing.get_type_hints(TrainConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig)}
+
+
+def _type_args(hint) -> tuple:
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is Union \
+        else (hint,)
+
+
+def type_name(hint) -> str:
+    """A TrainConfig field type as its annotation spells it: "int", "float | None", "Any"."""
+    if hint is Any:
+        return "Any"
+    return " | ".join("None" if a is type(None) else a.__name__ for a in _type_args(hint))
+
+
+def is_switch(hint) -> bool:
+    """Whether a TrainConfig field is an on/off switch (`bool` or `bool | None`): a --x/--no-x flag."""
+    return set(_type_args(hint)) - {type(None)} == {bool}
+
+
+def flag_name(key: str) -> str:
+    """The flag of a setting: `seq_len` -> `--seq-len`."""
+    return "--" + key.replace("_", "-")
+
+
+def parse_flag(key: str, text: str):
+    """The value of the flag of TrainConfig field `key` from its text, by the field's type:
+    `none`/`null` is None where the field may be None; true/false, yes/no, on/off, 1/0 where it is
+    a bool; an int or float where it is one; the text where it may be a string. `bos`/`eos`
+    (`Any`): 'auto', true/false, none, a token id or a token string.
+
+    Raises:
+      RunError: the text is none of what the field takes ("--seq-len: cannot parse 'x' as int").
     """
-    from interop.atomic_io import write_json_atomic
+    hint = train_field_types()[key]
+    low = text.lower()
+    if hint is Any:
+        if low in ("none", "null", "false"):
+            return None
+        if low == "true":
+            return True
+        return int(text) if text.lstrip("-").isdigit() else text
+    kinds = _type_args(hint)
+    if type(None) in kinds and low in ("none", "null"):
+        return None
+    if bool in kinds and low in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+        return low in ("true", "yes", "on", "1")
+    for kind in (int, float):
+        if kind in kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                if str not in kinds:
+                    break
+    if str in kinds:
+        return text
+    raise RunError(f"{flag_name(key)}: cannot parse {text!r} as {type_name(hint)}")
 
-    path = Path(out_dir) / RUN_FILE
-    try:
-        return write_json_atomic(path, {"format": RUN_FORMAT, "version": RUN_VERSION, **record})
-    except OSError as e:
-        if e.filename is None and e.errno is not None:  # e.g. ENOSPC from a write(): say which file
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
+
+def _targets(v, *, record: bool):
+    """`target_modules` as LoraConfig takes it. In flags and config files a string is
+    comma-separated names, "all-linear", or "re:<regex>"; in a run record a string is what
+    LoraConfig holds (a regex, or "all-linear"), "re:" allowed."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        if v.startswith("re:"):
+            return v[3:]
+        if record:
+            return v
+        if v.strip() == "all-linear":
+            return "all-linear"
+        return tuple(s.strip() for s in v.split(",") if s.strip())
+    return tuple(v)
+
+
+def _file_layer(data: Mapping, where: str, *, record: bool = False) -> dict:
+    """A config file's or run record's settings as one flat layer {key: value} (the keys of
+    ModelSettings, LoraSettings, OutputSettings and TrainConfig are distinct).
+
+    Raises:
+      RunError: an unknown key, or a `lora`/`train` entry that is not a table.
+    """
+    fields = train_field_types()
+    out = {}
+    for k, v in data.items():
+        if k in _TOP_KEYS:
+            out[k] = v
+        elif k == "lora":
+            if not isinstance(v, dict):
+                raise RunError(f"{where}: 'lora' must be a table/object")
+            for lk, lv in v.items():
+                if lk not in LORA_KEYS:
+                    raise RunError(f"{where}: unknown key lora.{lk}; expected one of {', '.join(LORA_KEYS)}")
+                out[lk] = lv
+        elif k == "train":
+            if not isinstance(v, dict):
+                raise RunError(f"{where}: 'train' must be a table/object")
+            for tk, tv in v.items():
+                if tk not in fields:
+                    raise RunError(f"{where}: unknown key train.{tk}; expected a TrainConfig field")
+                out[tk] = tv
+        elif k in fields:
+            out[k] = v
+        elif k in _RECORD_ONLY:
+            continue
+        else:
+            raise RunError(f"{where}: unknown key {k!r}; expected {', '.join(_TOP_KEYS)}, 'lora', 'train' "
+                           "or a TrainConfig field")
+    if "target_modules" in out:
+        out["target_modules"] = _targets(out["target_modules"], record=record)
+    return out
+
+
+def _flag_layer(flags: Mapping) -> dict:
+    """Flags as one flat layer: a TrainConfig field's text is parsed by its type (`parse_flag`),
+    `target_modules` as in a config file; other values are taken as they are.
+
+    Raises:
+      RunError: a text a field cannot take, both of a pair in EITHER_OR, or an unknown key.
+    """
+    fields = train_field_types()
+    out = {}
+    for k, v in flags.items():
+        if k in fields:
+            out[k] = parse_flag(k, v) if isinstance(v, str) else v
+        elif k in _TOP_KEYS or k in LORA_KEYS:
+            out[k] = v
+        else:
+            raise RunError(f"unknown setting {k!r}")
+    if "target_modules" in out:
+        out["target_modules"] = _targets(out["target_modules"], record=False)
+    _refuse_both(out, flag_name)
+    return out
+
+
+def _refuse_both(layer: dict, name) -> None:
+    """One layer of settings (flags, a config file) may not give both of a pair in EITHER_OR."""
+    for a, b in EITHER_OR:
+        if layer.get(a) is not None and b in layer:
+            raise RunError(f"{name(a)} and {name(b)} both given: {name(a)} sets {b}; give one of them")
+
+
+def _drop_derived(layer: dict) -> None:
+    """A run record holds `steps` (`warmup`) as counted from its `epochs` (`warmup_ratio`):
+    counted again on resume, from the settings then in force."""
+    for a, b in EITHER_OR:
+        if layer.get(a) is not None:
+            layer.pop(b, None)
+
+
+def _keep_the_later_of_each_pair(merged: dict, layer: dict) -> None:
+    """A later layer's `steps` (`warmup`) overrides an earlier layer's `epochs` (`warmup_ratio`),
+    and the other way round: `--resume --steps 2000` on a run of `--epochs 2` trains to step 2000."""
+    for a, b in EITHER_OR:
+        if b in layer and a not in layer:
+            merged[a] = None
+        elif layer.get(a) is not None and b not in layer:
+            merged.pop(b, None)  # TrainConfig's default; the value comes from `a`
+
+
+def _same_path(a, b) -> bool:
+    return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+
+@dataclasses.dataclass
+class RunSettings:
+    """Everything a training run is given: the model, the LoRA, the TrainConfig and the outputs.
+
+    `lora_given` (not part of the record, not compared) names the LoRA settings that a config
+    file or a flag gave, as opposed to defaults or a resumed run's record: an `init_adapter`'s
+    own LoRA settings must agree with them.
+    """
+
+    model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    output: OutputSettings = dataclasses.field(default_factory=OutputSettings)
+    lora_given: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    @property
+    def out_dir(self) -> Path:
+        """The run directory (`TrainConfig.out_dir`)."""
+        return Path(self.train.out_dir)
+
+    @property
+    def adapter_dir(self) -> Path:
+        """Where the PEFT adapter is written: `adapter_out`, else <out_dir>/adapter."""
+        return Path(self.output.adapter_out or self.out_dir / "adapter")
+
+    # ---------------------------------------------------------------------------- layering
+    @classmethod
+    def layered(cls, record: Optional["RunSettings"] = None, file: Optional[Mapping] = None,
+                flags: Optional[Mapping] = None, *, file_name: str = "config file",
+                run_dir: Optional[str] = None) -> "RunSettings":
+        """The settings of a run from three layers, each overriding the one before: the stored
+        `record` of the run being resumed, a config `file`'s dict and `flags`, over
+        `CLI_DEFAULTS` and the dataclasses' defaults.
+
+        A file and the flags are flat or nested as `jqlora train --config` takes them (top-level
+        model and output keys, a `lora` table, TrainConfig fields at the top or in a `train`
+        table); a flag's text for a TrainConfig field is parsed by the field's type. Within one
+        layer, a pair of EITHER_OR (epochs/steps, warmup_ratio/warmup) may not both be given;
+        across layers the later one wins. A record's (or a record given as the file's) `steps`
+        and `warmup` are dropped where its `epochs`/`warmup_ratio` count them. With a `record`,
+        the model, compute dtype, quantization and LoRA shape (`RESUME_FIXED`,
+        `RESUME_FIXED_LORA`) must stay as the record has them.
+
+        Args:
+          record: the stored settings of the run being resumed (`RunSettings.read`), or None.
+          file: a config file's dict (`load_config_file`), or None.
+          flags: {setting: value} for the flags given (TrainConfig fields, LoRA, model and
+            output keys by name).
+          file_name: the file, as errors name it.
+          run_dir: the run being resumed, as errors name it (default: the record's out_dir).
+
+        Raises:
+          RunError: an unknown key, a value a flag cannot parse, both of a pair in one layer, or
+            a resumed run's fixed setting changed.
+        """
+        file_layer = None if file is None else cls._config_layer(file, file_name)
+        return cls._combine(record, file_layer, _flag_layer(flags or {}), run_dir)
+
+    @classmethod
+    def resolve(cls, config_file: Union[str, os.PathLike, None] = None,
+                flags: Optional[Mapping] = None) -> "RunSettings":
+        """`jqlora train`'s settings: `layered` over the config file at `config_file` and `flags`;
+        with `resume` set (by a flag, else by the file) and a record in the run directory
+        (`out_dir` of the flags, else of the file, else TrainConfig's), over that record too.
+
+        Raises:
+          RunError: as `layered`; a config file or record that cannot be read.
+        """
+        file_layer = None
+        if config_file is not None:
+            file_layer = cls._config_layer(load_config_file(config_file), str(config_file))
+        flag_layer = _flag_layer(flags or {})
+        resume = flag_layer.get("resume")
+        if resume is None and file_layer is not None:
+            resume = file_layer.get("resume")
+        run_dir = flag_layer.get("out_dir") or (file_layer or {}).get("out_dir") or TrainConfig().out_dir
+        record = None
+        if resume and (Path(run_dir) / RUN_FILE).is_file():
+            record = cls.read(Path(run_dir) / RUN_FILE)
+        return cls._combine(record, file_layer, flag_layer, run_dir)
+
+    @staticmethod
+    def _config_layer(data: Mapping, where: str) -> dict:
+        is_record = data.get("format") == RUN_FORMAT  # a run record given as a config file
+        layer = _file_layer(data, where, record=is_record)
+        if is_record:
+            _drop_derived(layer)
+        _refuse_both(layer, lambda k: f"{k} in {where}")
+        return layer
+
+    @classmethod
+    def _combine(cls, record, file_layer, flag_layer, run_dir) -> "RunSettings":
+        layers = []
+        stored = None
+        if record is not None:
+            stored = record.to_record()
+            layer = _file_layer(stored, RUN_FILE, record=True)
+            _drop_derived(layer)
+            layers.append(layer)
+            run_dir = run_dir or record.train.out_dir
+        if file_layer is not None:
+            layers.append(file_layer)
+        layers.append(flag_layer)
+        merged = dict(CLI_DEFAULTS)
+        for layer in layers:
+            merged.update(layer)
+            _keep_the_later_of_each_pair(merged, layer)
+        given = tuple(k for k in LORA_KEYS if k in (file_layer or {}) or k in flag_layer)
+        if stored is not None:
+            _check_resume(merged, record, stored, run_dir)
+        return cls._build(merged, lora_given=given)
+
+    @classmethod
+    def _build(cls, flat: Mapping, lora_given: tuple = ()) -> "RunSettings":
+        def part(keys):
+            return {k: flat[k] for k in keys if k in flat}
+
+        return cls(model=ModelSettings(**part(MODEL_KEYS)), lora=LoraSettings(**part(LORA_KEYS)),
+                   train=TrainConfig(**part(train_field_types())), output=OutputSettings(**part(OUTPUT_KEYS)),
+                   lora_given=lora_given)
+
+    # ----------------------------------------------------------------------------- records
+    @classmethod
+    def from_record(cls, record: Mapping, where: str = RUN_FILE) -> "RunSettings":
+        """The settings a run record holds (inverse of `to_record`); absent keys take the
+        dataclasses' defaults.
+
+        Raises:
+          RunError: an unknown key or a `lora`/`train` entry that is not a table, named with `where`.
+        """
+        return cls._build(_file_layer(record, where, record=True))
+
+    def to_record(self) -> dict:
+        """The run record (JSON types only; see the module docstring)."""
+        m = self.model
+        rec = {"format": RUN_FORMAT, "version": RUN_VERSION, "model": None if m.model is None else str(m.model),
+               "compute_dtype": m.compute_dtype, "backend": m.backend}
+        if m.attention is not None:
+            rec["attention"] = m.attention
+        if m.quantize:
+            rec["quantize"] = m.quantize
+        if m.init_adapter:
+            rec["init_adapter"] = str(m.init_adapter)
+        if self.output.adapter_out:
+            rec["adapter_out"] = str(self.output.adapter_out)
+        rec["lora"] = self.lora.to_record()
+        rec["train"] = dataclasses.asdict(self.train)
+        return rec
+
+    @classmethod
+    def read(cls, path: Union[str, os.PathLike]) -> "RunSettings":
+        """Read a run record file (`jqlora_run.json`).
+
+        Raises:
+          RunError: the file cannot be read or parsed, or holds an unknown key (named with its path).
+        """
+        return cls.from_record(load_config_file(path), str(path))
+
+    def write_record(self, *, skipped_batches: Optional[int] = None) -> Path:
+        """Write the run record atomically to `<out_dir>/jqlora_run.json` (the directory is created
+        if missing); returns its path.
+
+        Args:
+          skipped_batches: recorded when given: steps' batches skipped for having no supervised token.
+
+        Raises:
+          OSError: the write failed; its filename is the record's path.
+        """
+        from interop.atomic_io import write_json_atomic
+
+        rec = self.to_record()
+        if skipped_batches is not None:
+            rec["skipped_batches"] = skipped_batches
+        path = self.out_dir / RUN_FILE
+        try:
+            return write_json_atomic(path, rec)
+        except OSError as e:
+            if e.filename is None and e.errno is not None:  # e.g. ENOSPC from a write(): say which file
+                raise OSError(e.errno, e.strerror, str(path)) from e
+            raise
+
+
+def _check_resume(merged: dict, record: RunSettings, stored: dict, run_dir) -> None:
+    """Refuse a resumed run whose model, dtype, quantization or LoRA shape differs from its record."""
+    for key in RESUME_FIXED:
+        theirs = stored.get(key)
+        same = _same_path if key == "model" else (lambda a, b: a == b)
+        if theirs is not None and not same(merged.get(key), theirs):
+            raise RunError(f"--resume: {key} is {merged.get(key)!r} but the run in {run_dir} used {theirs!r}")
+    from jqlora.lora.config import lora_differences
+
+    asked = {k: merged.get(k) for k in RESUME_FIXED_LORA}
+    for key, mine, _ in lora_differences(asked, record.lora):
+        raise RunError(f"--resume: lora.{key} is {mine!r} but the run in {run_dir} used {stored['lora'][key]!r}")
 
 
 def find_run_file(source: str | os.PathLike) -> Optional[Path]:
@@ -254,15 +588,17 @@ def export_adapter(source, out, *, step: Optional[int] = None, model_path=None) 
     if run_file is None:
         raise RunError(f"no jqlora_run.json found near {ckpt}: it records the base model and LoRA settings "
                        "(written by `jqlora train`)")
-    run = load_config_file(run_file)
-    model_path = model_path or run.get("model")
+    run = RunSettings.read(run_file)
+    model_path = model_path or run.model.model
     if not model_path:
         raise RunError(f"{run_file}: no 'model' recorded; pass --model")
+    from jqlora.train.checkpoint import CheckpointError, read_state
+
     try:
-        state = json.loads((ckpt / "state.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise RunError(f"{ckpt / 'state.json'}: cannot read: {e}") from None
-    tc = (state.get("extra") or {}).get("train_config") or run.get("train") or {}
+        state = read_state(ckpt)
+    except CheckpointError as e:
+        raise RunError(str(e)) from None
+    tc = (state.get("extra") or {}).get("train_config") or dataclasses.asdict(run.train)
 
     from jqlora._util import jnp_dtype, quiet_third_party
 
@@ -271,11 +607,12 @@ def export_adapter(source, out, *, step: Optional[int] = None, model_path=None) 
 
     from jqlora import adapters, models
     from jqlora.lora import lora_params_by_module
-    from jqlora.train import TrainConfig, make_optimizer, restore_checkpoint
+    from jqlora.train import make_optimizer, restore_checkpoint
 
-    lora_cfg = lora_config_from_record(run.get("lora") or {})
-    model = models.load_causal_lm(model_path, lora=lora_cfg, compute_dtype=jnp_dtype(run.get("compute_dtype", "float32")),
-                                  quantize=run.get("quantize"), rngs=nnx.Rngs(0))
+    lora_cfg = run.lora.to_config()
+    model = models.load_causal_lm(model_path, lora=lora_cfg,
+                                  compute_dtype=jnp_dtype(run.model.compute_dtype or "float32"),
+                                  quantize=run.model.quantize, rngs=nnx.Rngs(0))
     d = TrainConfig()
     g = lambda k: tc.get(k, getattr(d, k))  # noqa: E731
     tx = make_optimizer(g("lr"), g("warmup"), g("steps"), g("weight_decay"), g("b1"), g("b2"), g("grad_clip"),
@@ -288,6 +625,5 @@ def export_adapter(source, out, *, step: Optional[int] = None, model_path=None) 
                 rank=lora_cfg.rank, alpha=lora_cfg.alpha)
 
 
-__all__ = ["RUN_FILE", "RUN_FORMAT", "RUN_VERSION", "LOCK_FILE", "RunError", "RunLockedError", "lock_run_dir",
-           "load_config_file", "lora_record",
-           "lora_config_from_record", "write_run_record", "find_run_file", "find_checkpoint", "export_adapter"]
+__all__ = ["RUN_FILE", "RUN_FORMAT", "RUN_VERSION", "RunError", "RunSettings", "ModelSettings", "LoraSettings",
+           "OutputSettings", "load_config_file", "parse_flag", "find_run_file", "find_checkpoint", "export_adapter"]

@@ -30,13 +30,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["TokenizerError", "HFTokenizer", "load_hf_tokenizer", "generation_eos_ids"]
+from jqlora.errors import Error
+
+__all__ = ["TokenizerError", "HFTokenizer", "load_hf_tokenizer", "read_tokenizer_config", "generation_eos_ids"]
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+TOKENIZER_CONFIG = "tokenizer_config.json"
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(Error, ValueError):
     """A tokenizer folder, chat template or conversation that cannot be used; the message names
     the file (and the conversation's line when there is one)."""
 
@@ -48,13 +51,24 @@ def _token_content(v) -> str | None:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read: {e}") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    from interop.json_io import read_json_object  # noqa: PLC0415
+
+    return read_json_object(path, TokenizerError)
+
+
+def read_tokenizer_config(path: str | os.PathLike) -> dict | None:
+    """The ``tokenizer_config.json`` of a tokenizer folder, or None when it has none: the one
+    reader of that file.
+
+    Args:
+      path: the folder, or a file in it (its ``tokenizer.json``).
+
+    Raises:
+      TokenizerError: the file cannot be read, is not JSON or not an object (naming it).
+    """
+    path = Path(path)
+    cfg_file = (path if path.is_dir() else path.parent) / TOKENIZER_CONFIG
+    return _read_json(cfg_file) if cfg_file.is_file() else None
 
 
 def _template_from_config(config: dict, where: Path) -> str | None:
@@ -272,10 +286,8 @@ def load_hf_tokenizer(path: str | os.PathLike, *, chat_template: str | os.PathLi
     except Exception as e:  # tokenizers raises its own Exception type
         raise TokenizerError(f"{file}: cannot load tokenizer: {e}") from None
     folder = file.parent
-    config: dict[str, Any] = {}
-    cfg_file = folder / "tokenizer_config.json"
-    if cfg_file.is_file():
-        config = _read_json(cfg_file)
+    cfg_file = folder / TOKENIZER_CONFIG
+    config: dict[str, Any] = read_tokenizer_config(folder) or {}
     special = {}
     for key in SPECIAL_KEYS:
         content = _token_content(config.get(key))

@@ -1,13 +1,15 @@
 """Named kernel variants: one place that lists every kernel, so tests and benchmarks cover all.
 
-A new variant is one kernel module (kernel + jnp reference + `VARIANTS`) plus one line in
-`_MODULES`. The tuple is immutable; nothing registers itself at import time. The conformance
-suite (tests/test_variants.py) runs every registered variant against its reference, so a new
+A new variant is one kernel module (kernel + `VARIANTS`, its jnp oracle in `reference.py`) plus
+one line in `_MODULES`. The tuple is immutable; nothing registers itself at import time. The conformance
+suite (tests/kernels/test_variants.py) runs every registered variant against its reference, so a new
 registration is tested with no list to edit.
 
 Each `Variant` says what it computes (`op`, `reference`, `numerics`), where it runs (`platform`,
 `interpret`), which shapes it takes (`supports`), how it is configured (`config_type`,
-`default_config`) and whether `auto` runs it (`status`).
+`default_config`) and whether `auto` runs it (`status`). `module_of(name)` names the module that
+declares a variant; `platform_available(platform)` says whether this process runs a platform's
+kernels.
 
 Config contract (what a tuning tool relies on):
 - `config_type` is a frozen dataclass: `cfg = v.default_config(m, n, k, blocksize)` is an
@@ -90,36 +92,69 @@ class Variant:
 
 
 # One entry per kernel module; a module lists its own variants in `VARIANTS`.
+# One entry per kernel module; a module lists its own variants in `VARIANTS`. A module holding one
+# variant family is named after it, as is its kernel function; matmul_4bit, matmul_4bit_t and
+# matmul_int8 hold an op's two general forms (a fused kernel, and a dequant kernel + the vendor
+# GEMM). The names compiled into the kernels (`pallas_call(name=...)`, the Mosaic kernel bodies)
+# keep their own spellings: they are part of the compiled code and of the recorded profiles.
 _MODULES = (
-    "pallas_kernels.triton.dequantize_4bit",
+    "pallas_kernels.triton.dequant_tiled",
     "pallas_kernels.triton.matmul_4bit",
-    "pallas_kernels.triton.matmul_4bit_small_m",
-    "pallas_kernels.triton.matmul_4bit_gemv",
-    "pallas_kernels.triton.matmul_4bit_block_dot",
-    "pallas_kernels.triton.matmul_4bit_decoded_dot",
-    "pallas_kernels.mosaic.matmul_4bit_mgpu",
-    "pallas_kernels.mosaic.matmul_4bit_mgpu_t",
-    "pallas_kernels.mosaic.matmul_4bit_mgpu_gemv",
-    "pallas_kernels.mosaic.matmul_4bit_mgpu_mma",
+    "pallas_kernels.triton.splitk_small_m",
+    "pallas_kernels.triton.gemv_block_scaled",
+    "pallas_kernels.triton.block_scaled_dot",
+    "pallas_kernels.triton.decoded_dot",
+    "pallas_kernels.mosaic.mgpu_decoded_wgmma",
+    "pallas_kernels.mosaic.mgpu_decoded_wgmma_t",
+    "pallas_kernels.mosaic.mgpu_gemv_pair_table",
+    "pallas_kernels.mosaic.mgpu_mma_pair_table",
     "pallas_kernels.triton.matmul_4bit_t",
     "pallas_kernels.triton.matmul_int8",
-    "pallas_kernels.triton.matmul_int8_gemv",
-    "pallas_kernels.triton.matmul_llm_int8",
+    "pallas_kernels.triton.int8_weight_only_gemv",
+    "pallas_kernels.triton.llm_int8_tiled",
 )
+
+
+def _by_module() -> tuple[tuple[str, tuple[Variant, ...]], ...]:
+    """(module, its VARIANTS) for every registered module, in registry order."""
+    import importlib
+
+    return tuple((mod, tuple(importlib.import_module(mod).VARIANTS)) for mod in _MODULES)
 
 
 def all_variants() -> tuple[Variant, ...]:
     """Every registered variant, in a stable order (imports the kernel modules on first use)."""
-    import importlib
-
-    out: list[Variant] = []
-    for mod in _MODULES:
-        out.extend(importlib.import_module(mod).VARIANTS)
+    out = [v for _, variants in _by_module() for v in variants]
     names = [v.name for v in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ValueError(f"duplicate kernel variant names: {sorted(dup)}")
     return tuple(out)
+
+
+def module_of(name: str) -> str:
+    """The module that declares variant `name` (e.g. "pallas_kernels.triton.matmul_4bit");
+    KeyError naming the known variants otherwise."""
+    for mod, variants in _by_module():
+        if any(v.name == name for v in variants):
+            return mod
+    get(name)  # raises the KeyError
+    raise AssertionError(name)  # pragma: no cover - get() found a variant no module declares
+
+
+def platform_available(platform: str) -> bool:
+    """Whether this process runs `platform`'s kernels compiled: "gpu" (Triton lowering) needs a
+    GPU as the default device; "sm90" (Mosaic GPU) a Hopper GPU and a jax whose Mosaic GPU has
+    what the kernels use. Interpret mode (Triton variants on CPU) needs neither."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; expected one of {PLATFORMS}")
+    if platform == "sm90":
+        from pallas_kernels import mosaic
+
+        return mosaic.available()
+    import jax
+
+    return jax.default_backend() == "gpu"
 
 
 def for_op(op: str) -> tuple[Variant, ...]:

@@ -9,10 +9,10 @@ block_dot (the block-scaled tensor-core kernel, rounded codes, the same way; `ex
 the exact table, `lookup=prmt` for the in-register lookup): `... profile_small_m block_dot 16
 4096 14336`, and decoded_dot (the decoded-weight tensor-core kernel, any M, its keyword
 arguments likewise): `... profile_small_m decoded_dot 2048 4096 4096 block_m=256`, and mgpu /
-mgpu_t (the Hopper Mosaic GPU kernels, forward and dx; Config / ConfigT fields as keywords):
+mgpu_t (the Hopper Mosaic GPU kernels, forward and dx; DecodedWgmmaConfig / DecodedWgmmaTConfig fields as keywords):
 `ncu -k regex:matmul_4bit_mgpu_kernel ... profile_small_m mgpu 16 4096 14336 tile_m=16`, and
-mgpu_gemv (the Hopper pair-table GEMV, M <= 2; GemvConfig fields as keywords), and mgpu_mma
-(the Hopper pair-table MMA kernel; MmaConfig fields as keywords).
+mgpu_gemv (the Hopper pair-table GEMV, M <= 2; GemvPairTableConfig fields as keywords), and mgpu_mma
+(the Hopper pair-table MMA kernel; MmaPairTableConfig fields as keywords).
 
 Without preallocation off, ncu cannot save and restore device memory for kernel replay.
 """
@@ -49,8 +49,8 @@ def main(argv=None):
         f = jax.jit(lambda x: ops.qmatmul(x, q, backend="pallas"))
     elif mode in ("gemv", "block_dot", "decoded_dot"):
         from jqlora.ops.products import nested_kernel_operands_4bit
-        from pallas_kernels.triton.matmul_4bit_block_dot import matmul_4bit_block_dot
-        from pallas_kernels.triton.matmul_4bit_gemv import matmul_4bit_gemv
+        from pallas_kernels.triton.block_scaled_dot import block_scaled_dot as matmul_4bit_block_dot
+        from pallas_kernels.triton.gemv_block_scaled import gemv_block_scaled as matmul_4bit_gemv
 
         w = jnp.asarray(rng.standard_normal((n, k), np.float32) * 0.02, jnp.bfloat16)
         q = quant.quantize_4bit(w, "nf4", 64, True)
@@ -58,7 +58,7 @@ def main(argv=None):
         if mode == "gemv":
             kernel = matmul_4bit_gemv
         elif mode == "decoded_dot":
-            from pallas_kernels.triton.matmul_4bit_decoded_dot import matmul_4bit_decoded_dot as kernel
+            from pallas_kernels.triton.decoded_dot import decoded_dot as kernel
         else:
             kernel = matmul_4bit_block_dot
             cfg["exact_codes"] = bool(cfg.get("exact_codes", 0))

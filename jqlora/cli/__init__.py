@@ -9,6 +9,7 @@ so `jqlora --help` and `jqlora <command> --help` answer without them):
   export-peft     a training checkpoint -> a PEFT adapter directory
   import-peft     check a PEFT adapter against a model (modules matched, shapes, effect on logits)
   export-merged   a training run or PEFT adapter merged into its base model: a bf16/float32 or NF4 folder
+  export-gguf     a training run or PEFT adapter merged into its base model: one GGUF file for llama.cpp
   crosscheck      JAX vs transformers+bitsandbytes(+PEFT) in torch: per-layer and logits errors
   explain-kernel  which kernel variants a quantized product runs (forward, backward), and why
   bench           the GPU benchmark (benchmarks/run.py); GPU only, from a checkout of the repository
@@ -42,6 +43,7 @@ COMMANDS = {
     "export-peft": "peft_cmd:export",
     "import-peft": "peft_cmd:import_",
     "export-merged": "merge_cmd",
+    "export-gguf": "gguf_cmd",
     "crosscheck": "crosscheck_cmd",
     "explain-kernel": "explain_cmd",
     "bench": "bench_cmd",

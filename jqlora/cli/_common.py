@@ -1,22 +1,25 @@
 """What every CLI command shares: the usage error, which exceptions mean "bad input", the help format.
 
 Library errors (`jqlora.runs.RunError`, `interop.CheckpointError`, `jqlora.adapters.AdapterMismatchError`,
-...) are ValueErrors: `jqlora.cli.main` prints their message on one line and exits with status 2.
+...) and `CLIError` are `jqlora.errors.Error`s: `jqlora.cli.main` prints their message on one line
+and exits with status 2, as for a file that is missing or cannot be opened. Any other exception
+(a bare ValueError or KeyError included) is a bug and keeps its traceback (exit status 1).
 Nothing heavy is imported here: `jqlora --help` must not pay for torch.
 """
 from __future__ import annotations
 
 import argparse
 
+from jqlora.errors import Error
 
-class CLIError(Exception):
+
+class CLIError(Error):
     """A usage or input error: printed as one line, exit status 2 (no traceback)."""
 
 
 def expected_errors() -> tuple:
     """Exception types that mean "bad input" (exit 2 with the message), not a bug (traceback)."""
-    return (CLIError, ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError,
-            IsADirectoryError, PermissionError)
+    return (Error, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 _DISK_ERRNOS = {"ENOSPC": "no space left on device", "EDQUOT": "disk quota exceeded",
@@ -41,9 +44,7 @@ def disk_error(e: OSError) -> CLIError | None:
 
 
 def message(e: BaseException) -> str:
-    """The one-line message of an expected error (a KeyError's key without quotes)."""
-    if isinstance(e, KeyError) and e.args:
-        return str(e.args[0])
+    """The one-line message of an expected error."""
     return str(e) or type(e).__name__
 
 

@@ -40,7 +40,7 @@ eval-mode 4-bit CPU kernel, which rounds to bf16 internally on AVX512-BF16 CPUs 
 --int8-numerics weight_only leaves the LLM.int8 run and products out. --perturb X deliberately
 scales layer 0's input norm of the JAX model by (1 + X): a self-test showing that the check fails
 and where.
-See docs/numerics.md ("Cross-checking against torch") and jqlora/crosscheck.py."""
+See docs/numerics.md ("Cross-checking against torch") and jqlora/crosscheck/."""
 
 
 def add_arguments(p):

@@ -38,7 +38,7 @@ def run(args) -> int:
         from pathlib import Path
 
         from jqlora.demo.smollm2 import SmolLM2DemoSettings, run_smollm2_demo
-        from jqlora.real_model import ModelUnavailable
+        from jqlora.demo.real_model import ModelUnavailable
 
         kw = {"seed": args.seed} if args.lora_steps is None else {"seed": args.seed, "steps": args.lora_steps}
         settings = SmolLM2DemoSettings.quick(**kw) if args.quick else SmolLM2DemoSettings(**kw)

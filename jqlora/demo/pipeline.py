@@ -150,7 +150,7 @@ def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Ca
         log(f"        {e}")
 
     # 5. fine-tune ------------------------------------------------------------------------------
-    from jqlora.runs import lora_record, write_run_record
+    from jqlora.runs import LoraSettings, ModelSettings, RunSettings
     from jqlora.train import TrainConfig, train
 
     run_dir = out / "run"
@@ -161,8 +161,8 @@ def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Ca
                       eval_max_batches=4, progress=progress)
     steps.start("finetune", f"LoRA fine-tune on the reverse task with jqlora.train: {s.lora_steps} steps x "
                             f"{s.lora_batch} packed rows of {s.seq_len} tokens, lr {s.lora_lr:g}, 4-bit base frozen")
-    write_run_record(run_dir, {"model": str(qdir.resolve()), "compute_dtype": "float32", "backend": "auto",
-                               "lora": lora_record(lora_cfg), "train": dataclasses.asdict(cfg)})
+    RunSettings(model=ModelSettings(model=str(qdir.resolve()), compute_dtype="float32", backend="auto"),
+                lora=LoraSettings.from_config(lora_cfg), train=cfg).write_record()
     res = train(model, cfg)
     log(f"      loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}"
         + (f"; held-out eval loss {res.eval_losses[-1][1]:.4f}" if res.eval_losses else ""))

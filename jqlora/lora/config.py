@@ -5,6 +5,8 @@ import dataclasses
 import re
 from typing import Sequence, Union
 
+from jqlora.errors import SettingError
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # PEFT's shorthand: every linear layer except the output layer (the LM head).
 ALL_LINEAR = "all-linear"
@@ -30,14 +32,20 @@ class LoraConfig:
     use_rslora: bool = False
 
     def __post_init__(self):
-        if int(self.rank) <= 0:
-            raise ValueError(f"LoraConfig.rank must be positive, got {self.rank}")
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout}")
+        # the dataclass's own fields, as settings give them; a PEFT file's are checked by
+        # interop.peft_adapter.check_adapter_config (jqlora.lora imports no interop)
+        try:
+            rank, dropout = int(self.rank), float(self.dropout)
+        except (TypeError, ValueError) as e:  # e.g. a rank of "abc" in a config file
+            raise SettingError(str(e)) from None
+        if rank <= 0:
+            raise SettingError(f"LoraConfig.rank must be positive, got {self.rank}")
+        if not 0.0 <= dropout < 1.0:
+            raise SettingError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout}")
         if not isinstance(self.target_modules, str):
             object.__setattr__(self, "target_modules", tuple(self.target_modules))
             if not self.target_modules:
-                raise ValueError("LoraConfig.target_modules is empty")
+                raise SettingError("LoraConfig.target_modules is empty")
 
     def matches(self, name: str) -> bool:
         return module_name_matches(name, self.target_modules)
@@ -65,14 +73,16 @@ def peft_target_modules(targets: Union[str, Sequence[str]], module_names: Sequen
     return targets if isinstance(targets, str) else list(targets)
 
 
-def lora_conflicts(requested: dict, adapter: LoraConfig) -> list[str]:
-    """The LoRA settings a user asked for that an adapter being continued does not have, as
-    "key: asked X, adapter has Y" strings (empty when they agree).
+def lora_differences(requested: dict, adapter) -> list[tuple[str, object, object]]:
+    """The LoRA settings asked for that differ from those of a LoRA being continued (an adapter,
+    or a resumed run), as (key, asked, has) triples; empty when they agree. Values compare as
+    numbers (rank, alpha), as sets of names ("all-linear" is the Llama family's projections) and
+    as booleans (use_rslora); a value None on either side is not compared.
 
     Args:
-      requested: the settings given explicitly ({"rank", "alpha", "target_modules",
-        "use_rslora"}; any subset).
-      adapter: the adapter's LoraConfig.
+      requested: the settings asked for ({"rank", "alpha", "target_modules", "use_rslora"}; any
+        subset).
+      adapter: a LoraConfig, or anything with those attributes.
     """
     def norm(key, v):
         if key == "target_modules":
@@ -80,15 +90,31 @@ def lora_conflicts(requested: dict, adapter: LoraConfig) -> list[str]:
                 v = DEFAULT_TARGETS
             return v if isinstance(v, str) else tuple(sorted(v))
         if key in ("rank", "alpha"):
-            return float(v)
+            try:
+                return float(v)
+            except (TypeError, ValueError):
+                return v
         return bool(v)
 
     out = []
     for key in ("rank", "alpha", "target_modules", "use_rslora"):
-        if key in requested and requested[key] is not None:
-            mine, theirs = requested[key], getattr(adapter, key)
-            if norm(key, mine) != norm(key, theirs):
-                show = (lambda v: v if isinstance(v, str) else ",".join(v)) if key == "target_modules" \
-                    else (lambda v: v)
-                out.append(f"{key}: asked {show(mine)}, adapter has {show(theirs)}")
+        mine, theirs = requested.get(key), getattr(adapter, key)
+        if mine is not None and theirs is not None and norm(key, mine) != norm(key, theirs):
+            out.append((key, mine, theirs))
     return out
+
+
+def lora_conflicts(requested: dict, adapter: LoraConfig) -> list[str]:
+    """The LoRA settings a user asked for that an adapter being continued does not have, as
+    "key: asked X, adapter has Y" strings (empty when they agree; `lora_differences`).
+
+    Args:
+      requested: the settings given explicitly ({"rank", "alpha", "target_modules",
+        "use_rslora"}; any subset).
+      adapter: the adapter's LoraConfig.
+    """
+    def show(key, v):
+        return (v if isinstance(v, str) else ",".join(v)) if key == "target_modules" else v
+
+    return [f"{key}: asked {show(key, mine)}, adapter has {show(key, theirs)}"
+            for key, mine, theirs in lora_differences(requested, adapter)]

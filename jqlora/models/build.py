@@ -13,6 +13,8 @@ import numpy as np
 from flax import nnx
 
 from jqlora import quant
+from jqlora._util import QUANTIZE_FORMATS
+from jqlora.errors import SettingError
 from jqlora.lora.apply import apply_lora
 from jqlora.lora.config import LoraConfig
 from jqlora.lora.linear import FrozenParam, QLoRALinear, base_shape, host_or_device
@@ -34,8 +36,8 @@ class _Source:
     def __init__(self, params: Mapping[str, Any], *, quantize=None, compute_dtype=None, backend="auto",
                  param_dtype=None, blocksize: int = 64, double_quant: bool = True, int8_numerics="weight_only",
                  donate: bool = False):
-        if quantize not in (None, "nf4", "fp4", "int8"):
-            raise ValueError(f"quantize must be None, 'nf4', 'fp4' or 'int8', got {quantize!r}")
+        if quantize not in (None, *QUANTIZE_FORMATS):
+            raise SettingError(f"quantize must be None, 'nf4', 'fp4' or 'int8', got {quantize!r}")
         self.params = params
         self.quantize = None if any(isinstance(v, (quant.Weight4bit, quant.Int8Weight))
                                     for v in params.values()) else quantize

@@ -8,12 +8,14 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from jqlora.errors import Error
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(Error, ValueError):
     """The checkpoint's architecture (model_type, rope type, activation, ...) is not supported."""
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jqlora import lowered_cache
+from jqlora.errors import SettingError
 from jqlora.models.cache import KVCache
 from jqlora.models.remat import device_memory, state_bytes
 
@@ -173,9 +174,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     if prompt.ndim != 2:
         raise ValueError(f"prompt_ids must be (batch, seq), got shape {prompt.shape}")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise SettingError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        raise SettingError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     if temperature > 0 and rng is None:
         raise ValueError("sampling (temperature > 0) needs rng=jax.random.key(...)")
     mask = jnp.ones_like(prompt) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)

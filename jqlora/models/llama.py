@@ -22,7 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jqlora import ops as _ops
-from jqlora import parallel
+from jqlora.ops import sharding
 from jqlora import quant
 from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
 from jqlora.lora.stacked import LayerStack, StackedLayers
@@ -438,7 +438,7 @@ class CausalLM(nnx.Module):
             return None
         if isinstance(self.remat, str) and self.remat == "auto":
             # Under a mesh the traced shapes are global: plan for one device's rows and weight shards.
-            row_shards, fsdp = parallel.device_share()
+            row_shards, fsdp = sharding.device_share()
             batch = -(-batch // row_shards)
             plan = remat_plan(self.config, batch, seq_len, param_bytes=state_bytes(self) // fsdp,
                               compute_dtype=self.compute_dtype, attention=self.attention,

@@ -14,9 +14,10 @@ from jqlora.models.build import from_params
 from jqlora.models.llama import CausalLM
 
 
-def _check_config(path: str) -> None:
+def _check_config(path: str) -> dict:
     """Parse ``config.json`` and its architecture before any tensor is read, so that a bad
-    value fails fast with the file and the key named (not as an error deep in model building)."""
+    value fails fast with the file and the key named (not as an error deep in model building).
+    Returns the parsed config (`interop.bnb_common.read_config`: a nested text_config unwrapped)."""
     from interop.bnb_common import read_config  # noqa: PLC0415
     from interop.errors import CheckpointError  # noqa: PLC0415
 
@@ -28,6 +29,7 @@ def _check_config(path: str) -> None:
         raise UnsupportedModelError(f"{cfg_file}: {e}") from None
     except ValueError as e:
         raise CheckpointError(f"{cfg_file}: {e}") from None
+    return config
 
 
 def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=jnp.bfloat16,
@@ -80,12 +82,13 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
     import interop  # noqa: PLC0415  (the only jqlora.models module that touches files)
 
     path = os.fspath(path)
-    if os.path.isdir(path):
-        _check_config(path)  # fail on config.json before reading any tensor
+    # fail on config.json before reading any tensor; the checkpoint reader takes the parsed config
+    config = _check_config(path) if os.path.isdir(path) else None
     mesh = None if mesh is None else parallel.resolve_mesh(mesh)
     # one device: stage the quantized parts and small tensors on the host, stacked per layer kind
     # and moved in one transfer by from_params; a mesh places each tensor onto its shards as read
-    params, config = interop.load_bnb_checkpoint(path, device="stage" if mesh is None else parallel.placement(mesh))
+    params, config = interop.load_bnb_checkpoint(path, device="stage" if mesh is None else parallel.placement(mesh),
+                                                 config=config)
     model = from_params(params, config, lora=lora, compute_dtype=compute_dtype, quantize=quantize, rngs=rngs,
                        remat=remat, backend=backend, param_dtype=param_dtype, int8_numerics=int8_numerics,
                        attention=attention, donate_params=True)  # the dict is ours: stack without a second copy

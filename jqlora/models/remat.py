@@ -14,7 +14,7 @@ intermediates (4 x intermediate width per token) of one chunk, not of the whole 
 
 The prediction is analytic, per token and per layer, in units of the model's widths, plus the
 weights, the LoRA optimizer state and one loss chunk. Its constants are fitted to the 8B step
-measured on an H200 (`activation_bytes_per_token`; tests/test_scan.py checks the fit). On CPU,
+measured on an H200 (`activation_bytes_per_token`; tests/models/test_scan.py checks the fit). On CPU,
 against `train_step.lower(...).compile().memory_analysis()` of a 4-layer float32 model (hidden
 256, einsum attention), it predicts 0.66-0.69 of the measured growth of temporary memory per
 token for all three policies: CPU XLA keeps more float32 intermediates; the order of the
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jqlora.errors import SettingError
 from jqlora.models.config import ModelConfig
 
 _log = logging.getLogger("jqlora.models")
@@ -90,7 +91,7 @@ def resolve_remat(remat) -> Optional[Callable]:
         if remat == "auto":
             return None
         if remat not in REMAT_POLICIES:
-            raise ValueError(f"unknown remat policy {remat!r}; expected 'auto' or one of {sorted(REMAT_POLICIES)}")
+            raise SettingError(f"unknown remat policy {remat!r}; expected 'auto' or one of {sorted(REMAT_POLICIES)}")
         return REMAT_POLICIES[remat]
     if callable(remat):
         return remat

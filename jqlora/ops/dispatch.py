@@ -10,7 +10,7 @@ accepts the shape wins: the kernels' `supports()` stay the veto. An explicit `ba
 
 To make `auto` run a variant, add one row above the rows it beats and one evidence line for it in
 docs/kernels.md (the measurement that chose it) and paste `markdown_table()` there.
-tests/test_dispatch.py checks every row's variant and that every row is reachable.
+tests/ops/test_dispatch.py checks every row's variant and that every row is reachable.
 `explain(...)` shows the decision for one shape, row by row; `choose_plan` returns its plan, so
 the two cannot disagree.
 
@@ -26,6 +26,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from jqlora.errors import Error
 from jqlora.quant import Int8Weight, Weight4bit
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ OPS = (("4bit", "fwd", "matmul_4bit"), ("4bit", "bwd", "matmul_4bit_t"),
        ("llm_int8", "fwd", "llm_int8"), ("llm_int8", "bwd", "matmul_int8_t"))
 
 
-class BackendError(ValueError):
+class BackendError(Error, ValueError):
     """The requested backend cannot compute this product (shape, format or platform)."""
 
 
@@ -142,10 +143,10 @@ def on_gpu() -> bool:
 
 
 def mgpu_available() -> bool:
-    """A Hopper GPU and a jax whose Mosaic GPU runs `mgpu_decoded_wgmma`."""
-    from pallas_kernels.mosaic import matmul_4bit_mgpu
+    """A Hopper GPU and a jax whose Mosaic GPU runs the sm90 variants."""
+    from pallas_kernels import registry
 
-    return matmul_4bit_mgpu.available()
+    return registry.platform_available("sm90")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +175,7 @@ class Explanation:
 
     rows: (product, variant, verdict), verdict "chosen" or why the row declined. Empty when no
     table was read (the xla backend, a dense weight, or `auto` falling back to xla; see `note`).
+    `str()` prints each row with the file that holds its variant (`variant_file`).
     """
 
     plan: Plan
@@ -187,9 +189,22 @@ class Explanation:
         lines = [head + (f" ({self.note})" if self.note else "")]
         if self.query:
             lines.append(f"  for {self.query}")
+        files = [variant_file(var) for _, var, _ in self.rows]
         width = max((len(v) for _, v, _ in self.rows), default=0)
-        lines += [f"  {prod}  {var.ljust(width)}  {verdict}" for prod, var, verdict in self.rows]
+        fwidth = max(map(len, files), default=0)
+        lines += [f"  {prod}  {var.ljust(width)}  {where.ljust(fwidth)}  {verdict}"
+                  for (prod, var, verdict), where in zip(self.rows, files)]
         return "\n".join(lines)
+
+
+def variant_file(name: str) -> str:
+    """The source file of registry variant `name` (repository-relative), "jnp reference" for
+    "xla" (the product XLA runs from the jnp reference)."""
+    if name == "xla":
+        return "jnp reference"
+    from pallas_kernels import registry
+
+    return registry.module_of(name).replace(".", "/") + ".py"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,8 @@
 Both take 2-D operands already in the compute dtype and accumulate in float32. The xla backend
 dequantizes with the jnp reference (a transient dense weight inside one function, never saved);
 the kernel backends hand the packed bytes and scales to a Pallas variant from the registry.
+Kernels are reached through `pallas_kernels.registry` only; the LLM.int8 xla path runs the jnp
+oracle of `pallas_kernels.reference`.
 """
 from __future__ import annotations
 
@@ -20,20 +22,21 @@ def acc_dtype(*arrays):
     return jnp.result_type(_F32, *(a.dtype for a in arrays))
 
 
-def _precision(a, b):
+def precision(a, b):
     """float32 operands mean float32 products: GPUs would otherwise round them to TF32."""
     wide = any(jnp.dtype(x.dtype).itemsize >= 4 for x in (a, b))
     return jax.lax.Precision.HIGHEST if wide else None
 
 
-def _dot_nt(a, b):
+def dot_nt(a, b):
     """a @ b.T with float32 (or wider) accumulation, without materializing b.T."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a, b),
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision(a, b),
                                preferred_element_type=acc_dtype(a, b))
 
 
-def _dot_nn(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a, b),
+def dot_nn(a, b):
+    """a @ b with float32 (or wider) accumulation."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision(a, b),
                                preferred_element_type=acc_dtype(a, b))
 
 
@@ -75,13 +78,14 @@ def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "
         if not isinstance(q, Int8Weight):
             raise ValueError("numerics='llm_int8' applies to Int8Weight only")
         if plan.backend == "xla":
-            from pallas_kernels.triton.matmul_llm_int8 import llm_int8_matmul_reference
+            from pallas_kernels import reference
 
-            return llm_int8_matmul_reference(x, q.cb, q.scb, threshold=q.threshold).astype(out_dtype)
+            return reference.llm_int8_matmul_reference(x, q.cb, q.scb,
+                                                       threshold=q.threshold).astype(out_dtype)
         return _variant(plan.fwd).fn(x, q.cb, q.scb, threshold=q.threshold, out_dtype=out_dtype,
                                      interpret=plan.interpret)
     if plan.backend == "xla":
-        return _dot_nt(x, dequantize(q, x.dtype)).astype(out_dtype)
+        return dot_nt(x, dequantize(q, x.dtype)).astype(out_dtype)
     variant = _variant(plan.fwd)
     fn = variant.fn
     if isinstance(q, Weight4bit):
@@ -98,7 +102,7 @@ def backward_product(plan: Plan, dy: jax.Array, q, *, out_dtype) -> jax.Array:
     """dx = dy @ dequant(W), (M, N) x (N, K) -> (M, K); dequantizes again instead of reusing."""
     dy, q = after(dy, q)
     if plan.backend == "xla":
-        return _dot_nn(dy, dequantize(q, dy.dtype)).astype(out_dtype)
+        return dot_nn(dy, dequantize(q, dy.dtype)).astype(out_dtype)
     fn = _variant(plan.bwd).fn
     if isinstance(q, Weight4bit):
         packed, absmax = kernel_operands_4bit(q)

@@ -16,9 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jqlora import parallel
+from jqlora.ops import sharding
 from jqlora.ops.dispatch import Plan, choose_plan
-from jqlora.ops.products import _dot_nn, _dot_nt, _precision, acc_dtype, backward_product, forward_product
+from jqlora.ops.products import acc_dtype, backward_product, dot_nn, dot_nt, forward_product, precision
 from jqlora.quant import Int8Weight, Weight4bit
 
 NUMERICS = ("weight_only", "llm_int8")
@@ -47,7 +47,7 @@ def _weight_forward(st: _Static, x, q):
     """x @ W.T in the compute dtype, for a quantized or a frozen dense W."""
     if isinstance(q, (Weight4bit, Int8Weight)):
         return forward_product(st.plan, x, q, out_dtype=st.out_dtype, numerics=st.numerics)
-    return _dot_nt(x, q).astype(st.out_dtype)
+    return dot_nt(x, q).astype(st.out_dtype)
 
 
 def _weight_backward(st: _Static, dy, q, out_dtype):
@@ -57,7 +57,7 @@ def _weight_backward(st: _Static, dy, q, out_dtype):
     (benchmarks/results/JOURNAL.md). dy's values are exact in the compute dtype."""
     if isinstance(q, (Weight4bit, Int8Weight)):
         return backward_product(st.plan, dy, q, out_dtype=out_dtype)
-    return _dot_nn(dy, q).astype(out_dtype)
+    return dot_nn(dy, q).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -101,8 +101,8 @@ def _with_lora_fwd(st, scale, x, q, a, b):
     # float32 (M, N) base + float32 LoRA term then one rounding would cost two float32 (M, N)
     # writes and reads per layer (benchmarks/results/JOURNAL.md).
     base = _weight_forward(st, x, q)
-    xa = _dot_nt(x, a).astype(x.dtype)  # (M, r): the only LoRA activation kept for backward
-    y = base + (scale * _dot_nt(xa, b)).astype(st.out_dtype)
+    xa = dot_nt(x, a).astype(x.dtype)  # (M, r): the only LoRA activation kept for backward
+    y = base + (scale * dot_nt(xa, b)).astype(st.out_dtype)
     return y, (x, q, a, b, xa)
 
 
@@ -110,14 +110,14 @@ def _with_lora_bwd(st, scale, res, dy):
     x, q, a, b, xa = res
     acc = acc_dtype(dy, x)
     r = a.shape[0]
-    u = _hi_lo(_dot_nn(dy, b), x.dtype)  # dY B (M, r), contracted through the rank first
+    u = _hi_lo(dot_nn(dy, b), x.dtype)  # dY B (M, r), contracted through the rank first
     paired = u.shape[1] == 2 * r  # (M, 2r): a bf16 hi/lo pair, contracted against A twice
     dx = (_weight_backward(st, dy, q, x.dtype)
-          + (scale * _dot_nn(u, jnp.concatenate([a, a]) if paired else a)).astype(x.dtype))
+          + (scale * dot_nn(u, jnp.concatenate([a, a]) if paired else a)).astype(x.dtype))
     tn = (((0,), (0,)), ((), ()))  # contract over the rows M
-    da = jax.lax.dot_general(u, x, tn, precision=_precision(u, x), preferred_element_type=acc)  # U^T X
+    da = jax.lax.dot_general(u, x, tn, precision=precision(u, x), preferred_element_type=acc)  # U^T X
     da = scale * (da[:r] + da[r:] if paired else da)
-    db = scale * jax.lax.dot_general(dy, xa, tn, precision=_precision(dy, xa), preferred_element_type=acc)
+    db = scale * jax.lax.dot_general(dy, xa, tn, precision=precision(dy, xa), preferred_element_type=acc)
     return dx, _zero_cotangent(q), da.astype(a.dtype), db.astype(b.dtype)
 
 
@@ -168,13 +168,13 @@ def qmatmul(
     if not quantized:
         q = jax.lax.stop_gradient(jnp.asarray(q)).astype(cd)
     # under a training mesh each device multiplies its own rows by the whole weight (jqlora.parallel)
-    plan = choose_plan(q, parallel.local_rows(m), backend, variant=variant, numerics=numerics, dtype=cd.name)
+    plan = choose_plan(q, sharding.local_rows(m), backend, variant=variant, numerics=numerics, dtype=cd.name)
     st = _Static(plan, numerics, cd.name)
     if lora is None:
-        y = parallel.per_device(functools.partial(_base, st), x2, q)
+        y = sharding.per_device(functools.partial(_base, st), x2, q)
     else:
         a, b, scale = _check_lora(lora, n, k)
-        y = parallel.per_device(functools.partial(_with_lora, st, float(scale)), x2, q, a.astype(cd), b.astype(cd))
+        y = sharding.per_device(functools.partial(_with_lora, st, float(scale)), x2, q, a.astype(cd), b.astype(cd))
     return y.reshape(*lead, n)
 
 

@@ -18,7 +18,7 @@ Writing is atomic (:func:`interop.atomic_io.atomic_directory`): everything goes 
 directory is renamed to ``step_XXXXXXXX`` (one ``rename``), and the parent is fsynced. Until that
 rename, the previous checkpoints are untouched; a failure midway removes the temp directory. Older
 checkpoints beyond ``keep`` are pruned only after the new one is in place. One writer per
-directory is assumed (``jqlora.runs.lock_run_dir`` makes it so for a run): temp directories a
+directory is assumed (``jqlora.train.lock.lock_run_dir`` makes it so for a run): temp directories a
 killed writer left behind are removed by :func:`remove_stale_saves` (at the start of a run and on
 each save). An OSError while writing (a full disk, a read-only directory) names the checkpoint.
 
@@ -42,7 +42,9 @@ from flax import nnx
 
 from interop.atomic_io import atomic_directory, write_bytes_atomic
 from interop.errors import CheckpointError as _FileError
+from interop.json_io import read_json_object
 from interop.safetensors_io import deserialize, serialize
+from jqlora.errors import Error
 
 __all__ = [
     "CheckpointError",
@@ -51,6 +53,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "remove_stale_saves",
+    "read_state",
     "NonFiniteStateError",
 ]
 
@@ -65,7 +68,7 @@ _NATIVE = {np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np
                                   np.bool_)}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Error, ValueError):
     """A checkpoint that is corrupt or does not match the model/optimizer."""
 
 
@@ -142,7 +145,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 def remove_stale_saves(directory: str | os.PathLike) -> list[Path]:
     """Remove the temp directories of checkpoint saves that never finished (a killed or failed
     writer) from the checkpoint root ``directory``; returns what was removed. Only safe while no
-    other process writes there (hold ``jqlora.runs.lock_run_dir``)."""
+    other process writes there (hold ``jqlora.train.lock.lock_run_dir``)."""
     root = Path(directory)
     removed = []
     for pattern in _STALE:
@@ -221,21 +224,33 @@ def _write(root: Path, final: Path, arrays, metas, data_state, step, keep, extra
     return final
 
 
-def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    sfile, jfile = path / STATE_FILE, path / ARRAYS_FILE
-    try:
-        state = json.loads(sfile.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not a checkpoint (no {STATE_FILE})") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{sfile}: corrupt checkpoint state: {e}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+def read_state(step_dir: str | os.PathLike) -> dict:
+    """The ``state.json`` of one checkpoint directory (``.../step_00000100``), checked: its format,
+    its version and the fields every checkpoint has (``step``, ``arrays``, ``arrays_sha256``). The
+    one reader of that file: restoring, the training loop (``extra``) and `jqlora.runs` (the run's
+    ``train_config`` in ``extra``) take it from here.
+
+    Raises:
+      CheckpointError: naming the directory (no state.json) or the file (unreadable, not JSON,
+        another format or version, a field missing).
+    """
+    path = Path(step_dir)
+    sfile = path / STATE_FILE
+    state = read_json_object(sfile, CheckpointError, missing=f"{{path.parent}}: not a checkpoint (no {STATE_FILE})",
+                             unreadable="{path}: corrupt checkpoint state: {error}",
+                             not_object=f"{{path}}: not a {FORMAT} file")
+    if state.get("format") != FORMAT:
         raise CheckpointError(f"{sfile}: not a {FORMAT} file")
     if state.get("version") != VERSION:
         raise CheckpointError(f"{sfile}: unsupported checkpoint version {state.get('version')}")
     for k in ("step", "arrays", "arrays_sha256"):
         if k not in state:
             raise CheckpointError(f"{sfile}: missing field '{k}'")
+    return state
+
+
+def _read(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    state, jfile = read_state(path), path / ARRAYS_FILE
     try:
         blob = jfile.read_bytes()
     except OSError as e:

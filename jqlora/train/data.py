@@ -27,16 +27,17 @@ uninterrupted iterator would have produced. The permutation of epoch ``e`` is a 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import SettingError
 from .examples import DataError, load_jsonl
-from .tokenization import (SpecialTokens, check_data, check_tokenizer_fits, load_tokenizer,
-                           special_tokens, tokenize_examples)
+from .tokenization import (SpecialTokens, check_tokenizer_fits, data_summary, load_tokenizer,
+                           special_tokens, tokenize_examples, tokenize_file)
 
 __all__ = [
     "check_training_data",
@@ -55,7 +56,7 @@ BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
 def _pieces(tokenized, seq_len: int, overflow: str):
     """(ids, trained) -> list of (inputs, targets, mask) pieces of at most seq_len slots."""
     if overflow not in ("truncate", "split"):
-        raise ValueError(f"overflow must be 'truncate' or 'split', got {overflow!r}")
+        raise SettingError(f"overflow must be 'truncate' or 'split', got {overflow!r}")
     out = []
     for ids, trained in tokenized:
         ids = np.asarray(ids, np.int32)
@@ -216,44 +217,86 @@ class BatchIterator:
             yield batch
 
 
-def _model_vocab_size(model_dir: str | os.PathLike) -> int | None:
-    cfg_file = Path(model_dir) / "config.json"
-    if not cfg_file.is_file():
+def _config_vocab_size(model_dir: str | os.PathLike) -> int | None:
+    """The vocab_size of a checkpoint folder's config.json (`interop.bnb_common.read_config`: a
+    nested text_config's when there is one); None without the file or an integer there."""
+    from interop.bnb_common import CONFIG_FILE, read_config
+
+    if not (Path(model_dir) / CONFIG_FILE).is_file():
         return None
-    try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{cfg_file}: cannot read: {e}") from None
-    if isinstance(cfg, dict) and "vocab_size" not in cfg and isinstance(cfg.get("text_config"), dict):
-        cfg = cfg["text_config"]
-    v = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+    v = read_config(model_dir).get("vocab_size")
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def check_supervised(tokenized, config, source: str) -> None:
+    """Refuse data with no supervised token once examples are cut to ``seq_len`` (the rule of
+    :class:`BatchIterator`: a piece's targets are ``ids[1:]``, truncated to ``seq_len`` unless
+    ``overflow="split"``), and warn about the examples that have none."""
+    counts = []
+    for _ids, trained in tokenized:
+        mask = np.asarray(trained, bool)[1:]
+        if config.overflow != "split":
+            mask = mask[:config.seq_len]
+        counts.append(int(mask.sum()))
+    empty = sum(1 for c in counts if c == 0)
+    if counts and empty == len(counts):
+        raise DataError(
+            f"{source}: nothing to train on: all {len(counts)} examples have no supervised token "
+            f"within seq_len={config.seq_len} (every completion is cut off by truncation); raise "
+            f"seq_len, shorten the prompts or use overflow='split'")
+    if empty:
+        warnings.warn(f"{source}: {empty} of {len(counts)} examples have no supervised token "
+                      f"within seq_len={config.seq_len} (their completions are cut off); they "
+                      f"add no loss", stacklevel=5)
+
+
+def training_batches(config, tokenized, special: SpecialTokens, *, source: str,
+                     eval_: bool = False) -> BatchIterator:
+    """The :class:`BatchIterator` :func:`jqlora.train.train` draws from: `tokenized` cut into
+    `config`'s batches (seq_len, batch_size, packing, seed, shuffle, overflow), padded with
+    ``special.pad_id``. Training data (not ``eval_``) must have a supervised token
+    (:func:`check_supervised`, naming `source`); eval data is never shuffled."""
+    if not eval_:
+        check_supervised(tokenized, config, source)
+    return BatchIterator(tokenized, seq_len=config.seq_len, batch_size=config.batch_size,
+                         packing=config.packing, seed=config.seed,
+                         shuffle=config.shuffle and not eval_, pad_id=special.pad_id,
+                         overflow=config.overflow)
 
 
 def check_training_data(config, model_dir: str | os.PathLike | None = None) -> dict:
     """Everything :func:`jqlora.train.train` will do to its data, done first and without a model:
-    load the tokenizer, resolve BOS/EOS, read, validate and tokenize the training (and eval) file.
-    A checkpoint's weights can take minutes to load; a bad line should not wait for them.
+    load the tokenizer, resolve BOS/EOS, read, validate and tokenize the training (and eval) file
+    and cut it into batches. A checkpoint's weights can take minutes to load; a bad line should not
+    wait for them. Hand ``"batches"`` and ``"eval_batches"`` to ``train(data=..., eval_data=...)``:
+    the files are then read and tokenized once.
 
     Args:
       config: a :class:`jqlora.train.TrainConfig` (its data_path, eval_data_path, tokenizer_path,
-        chat_template, data_format, bos and eos).
+        chat_template, data_format, bos, eos and the batch settings).
       model_dir: the checkpoint folder; its config.json's vocab_size bounds the tokenizer's ids.
 
     Returns:
-      ``{"train": check_data(...), "eval": check_data(...) or None}``.
+      ``{"train": summary, "eval": summary or None, "batches": BatchIterator, "eval_batches":
+      BatchIterator or None}``; a summary is :func:`~jqlora.train.tokenization.check_data`'s.
 
     Raises:
-      DataError: the first problem, naming the file (and line).
+      DataError: the first problem, naming the file (and line); also training data without a
+        supervised token within seq_len.
+      interop.CheckpointError: model_dir's config.json is unreadable or not a JSON object.
     """
     tok = load_tokenizer(config.tokenizer_path, chat_template=getattr(config, "chat_template", None))
     special = special_tokens(tok, bos=config.bos, eos=config.eos, tokenizer_path=config.tokenizer_path)
-    vocab = _model_vocab_size(model_dir) if model_dir is not None else None
+    vocab = _config_vocab_size(model_dir) if model_dir is not None else None
     fmt = getattr(config, "data_format", "auto")
-    out = {"train": check_data(config.data_path, tok, special, format=fmt, vocab_size=vocab),
-           "eval": None}
-    if getattr(config, "eval_data_path", None):
-        out["eval"] = check_data(config.eval_data_path, tok, special, format=fmt)
+    examples, tokenized = tokenize_file(config.data_path, tok, special, format=fmt, vocab_size=vocab)
+    out = {"train": data_summary(examples, tokenized), "eval": None, "eval_batches": None}
+    if getattr(config, "eval_data_path", None):  # every file's lines are checked before the batches
+        eval_examples, eval_tokenized = tokenize_file(config.eval_data_path, tok, special, format=fmt)
+        out["eval"] = data_summary(eval_examples, eval_tokenized)
+        out["eval_batches"] = training_batches(config, eval_tokenized, special,
+                                               source=str(config.eval_data_path), eval_=True)
+    out["batches"] = training_batches(config, tokenized, special, source=str(config.data_path))
     return out
 
 

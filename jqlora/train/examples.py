@@ -28,6 +28,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jqlora.errors import Error, SettingError
+
 __all__ = [
     "DataError",
     "FORMATS",
@@ -55,7 +57,7 @@ ALPACA_PROMPT = {
 }
 
 
-class DataError(ValueError):
+class DataError(Error, ValueError):
     """Bad training data or tokenizer; the message names the file and line where there is one."""
 
 
@@ -142,7 +144,7 @@ def parse_example(obj: Any, *, source: str = "<data>", line: int = 0,
     """
     where = f"{source}, line {line}"
     if format != "auto" and format not in FORMATS:
-        raise ValueError(f"data format must be 'auto' or one of {', '.join(FORMATS)}, got {format!r}")
+        raise SettingError(f"data format must be 'auto' or one of {', '.join(FORMATS)}, got {format!r}")
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     fmt = _detect_format(obj, where) if format == "auto" else format

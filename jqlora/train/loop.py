@@ -19,20 +19,19 @@ Progress: a tqdm bar on a terminal; when stderr is not a terminal (nohup, SLURM)
 last step and every :data:`PROGRESS_EVERY_S` seconds.
 
 Length: ``steps`` optimizer steps, or ``epochs`` passes over the tokenized, packed training rows
-(:mod:`jqlora.train.run_length`); the learning-rate schedule (``lr_schedule``, warmup from
+(:func:`jqlora.train.config.resolve_run_length`); the learning-rate schedule (``lr_schedule``, warmup from
 ``warmup`` or ``warmup_ratio``) spans them.
 
-One process writes to an ``out_dir`` at a time (:func:`jqlora.runs.lock_run_dir`); under that
+One process writes to an ``out_dir`` at a time (:func:`jqlora.train.lock.lock_run_dir`); under that
 lock a run removes the temp files of writes a killed process left behind.
 
 Outputs in ``out_dir``: ``loss.csv`` (step, loss, lr, tokens_per_s, grad_norm: one row per logged
 step), ``loss.png``, ``eval.csv`` (step, eval_loss, perplexity; when evaluating), TensorBoard event
-files in ``tensorboard/`` (:mod:`jqlora.train.metrics_log`) and ``checkpoints/step_XXXXXXXX``.
+files in ``tensorboard/`` (:mod:`jqlora.train.metrics`) and ``checkpoints/step_XXXXXXXX``.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -45,18 +44,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .checkpoint import (STATE_FILE, NonFiniteStateError, latest_checkpoint, list_checkpoints,
+from .checkpoint import (STATE_FILE, NonFiniteStateError, latest_checkpoint, list_checkpoints, read_state,
                          remove_stale_saves, restore_checkpoint, save_checkpoint)
-from .config import TrainConfig, tensorboard_available
-from .data import BatchIterator, SegmentTables
+from .config import TrainConfig, resolve_run_length, tensorboard_available
+from .data import SegmentTables, training_batches
 from .examples import Example, load_jsonl, parse_example
-from .logs import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, write_loss_plot
-from .metrics_log import MetricsLog
+from .metrics import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, MetricsLog, write_loss_plot
 from .optim import make_optimizer, make_schedule, schedule_table
-from .run_length import resolve_run_length
 from .step import evaluate, train_step
 from .tokenization import check_tokenizer_fits, load_tokenizer, special_tokens, tokenize_examples
 from .. import parallel
+from ..ops import sharding
 
 __all__ = ["TrainConfig", "TrainResult", "NonFiniteLossError", "train"]
 
@@ -146,35 +144,8 @@ def _build_iterator(config: TrainConfig, data, tokenizer, model, *, eval_: bool 
     else:
         examples = _as_examples(data, config.data_format)
     tokenized = tokenize_examples(tokenizer, examples, special)
-    if not eval_:
-        _check_supervised(tokenized, config, str(data) if isinstance(data, (str, os.PathLike))
-                          else "<data argument>")
-    return BatchIterator(tokenized, seq_len=config.seq_len, batch_size=config.batch_size,
-                         packing=config.packing, seed=config.seed,
-                         shuffle=config.shuffle and not eval_, pad_id=special.pad_id,
-                         overflow=config.overflow)
-
-
-def _check_supervised(tokenized, config: TrainConfig, source: str) -> None:
-    """Refuse data with no supervised token once examples are cut to ``seq_len`` (the rule of
-    :class:`BatchIterator`: a piece's targets are ``ids[1:]``, truncated to ``seq_len`` unless
-    ``overflow="split"``), and warn about the examples that have none."""
-    counts = []
-    for _ids, trained in tokenized:
-        mask = np.asarray(trained, bool)[1:]
-        if config.overflow != "split":
-            mask = mask[:config.seq_len]
-        counts.append(int(mask.sum()))
-    empty = sum(1 for c in counts if c == 0)
-    if counts and empty == len(counts):
-        raise ValueError(
-            f"{source}: nothing to train on: all {len(counts)} examples have no supervised token "
-            f"within seq_len={config.seq_len} (every completion is cut off by truncation); raise "
-            f"seq_len, shorten the prompts or use overflow='split'")
-    if empty:
-        warnings.warn(f"{source}: {empty} of {len(counts)} examples have no supervised token "
-                      f"within seq_len={config.seq_len} (their completions are cut off); they "
-                      f"add no loss", stacklevel=4)
+    return training_batches(config, tokenized, special, eval_=eval_,
+                            source=str(data) if isinstance(data, (str, os.PathLike)) else "<data argument>")
 
 
 def _remove_stale_temp(out_dir: Path) -> None:
@@ -193,9 +164,9 @@ def _remove_stale_temp(out_dir: Path) -> None:
 def _stored_skips(checkpoint: Path) -> int:
     """The skipped-batch count stored in a checkpoint (0 for one written without it)."""
     try:
-        extra = json.loads((checkpoint / STATE_FILE).read_text()).get("extra") or {}
+        extra = read_state(checkpoint).get("extra") or {}
         return int(extra.get("skipped_batches", 0))
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError):  # CheckpointError is a ValueError
         return 0
 
 
@@ -275,7 +246,7 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
         restored), before anything in ``out_dir`` changes, with the run's resolved config
         (``steps`` and ``warmup`` counted from ``epochs`` and ``warmup_ratio``): ``jqlora train``
         writes its run record there, so that a refused or failed run leaves it untouched.
-      lock: hold ``out_dir``'s writer lock (:func:`jqlora.runs.lock_run_dir`) while training;
+      lock: hold ``out_dir``'s writer lock (:func:`jqlora.train.lock.lock_run_dir`) while training;
         False when the caller already holds it.
 
     Returns:
@@ -287,12 +258,12 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
       FileExistsError: ``out_dir`` already holds checkpoints and ``resume`` is off.
       ValueError: no LoRA params, no data or tokenizer, no supervised token in the data, or
         ``eval_every`` without eval data.
-      jqlora.runs.RunLockedError: another process holds ``out_dir``'s lock.
+      jqlora.train.lock.RunLockedError: another process holds ``out_dir``'s lock.
     """
     config.validate()
     if not lock:
         return _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
-    from jqlora.runs import lock_run_dir
+    from .lock import lock_run_dir
 
     with lock_run_dir(config.out_dir):
         return _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
@@ -351,7 +322,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
     model.train()
     # bound once: the per-step split/update of the whole model graph is host time the device
     # would wait for whenever the host has nothing queued (at checkpoints, evals, with on_step)
-    step_fn = parallel.with_mesh(mesh, train_step.bind(model, optimizer))
+    step_fn = sharding.with_mesh(mesh, train_step.bind(model, optimizer))
 
     if length.describe() is not None and config.progress is not False:
         print(f"train: {length.describe()}", file=sys.stderr, flush=True)
@@ -453,7 +424,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
         result.tokens_per_s.append(tps)
         if evaluates_at(step):
             with log.paused():  # evaluation is not training throughput
-                ev = parallel.with_mesh(mesh, evaluate)(model, eval_it.eval_batches(),
+                ev = sharding.with_mesh(mesh, evaluate)(model, eval_it.eval_batches(),
                                                         max_batches=config.eval_max_batches)
                 result.eval_losses.append((step, ev))
                 m["eval_loss"], m["eval_perplexity"] = ev, log.evaluation(step, ev)

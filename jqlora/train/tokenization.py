@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -14,6 +12,8 @@ from .examples import DataError, Example, load_jsonl
 
 __all__ = [
     "check_data",
+    "data_summary",
+    "tokenize_file",
     "SpecialTokens",
     "load_tokenizer",
     "check_tokenizer_fits",
@@ -126,15 +126,16 @@ def special_tokens(tokenizer, *, bos="auto", eos="auto", pad="auto",
     well-known names (``<s>``, ``<|begin_of_text|>``, ``</s>``, ``<|endoftext|>``, ...).
     Padding falls back to EOS, then 0.
     """
+    from jqlora.tokenizer import TokenizerError, read_tokenizer_config
+
     config: dict = dict(getattr(tokenizer, "special_tokens", None) or {})
     if tokenizer_path is not None:
-        p = Path(tokenizer_path)
-        cfg = (p if p.is_dir() else p.parent) / "tokenizer_config.json"
-        if cfg.is_file():
-            try:
-                config = json.loads(cfg.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise DataError(f"{cfg}: cannot read: {e}") from e
+        try:
+            file_config = read_tokenizer_config(tokenizer_path)
+        except TokenizerError as e:
+            raise DataError(str(e)) from None
+        if file_config is not None:
+            config = file_config
     bos_id = _resolve_one(tokenizer, bos, what="bos", names=_BOS_NAMES,
                           config_name=_config_token(config, "bos_token"))
     eos_id = _resolve_one(tokenizer, eos, what="eos", names=_EOS_NAMES,
@@ -218,10 +219,24 @@ def check_data(data_path: str | os.PathLike, tokenizer, special: SpecialTokens, 
     Raises:
       DataError: naming the file and line of the first bad example.
     """
+    return data_summary(*tokenize_file(data_path, tokenizer, special, format=format, vocab_size=vocab_size))
+
+
+def tokenize_file(data_path: str | os.PathLike, tokenizer, special: SpecialTokens, *,
+                  format: str = "auto", vocab_size: int | None = None
+                  ) -> tuple[list[Example], list[tuple[np.ndarray, np.ndarray]]]:
+    """Read, validate and tokenize a whole JSONL file: ``(examples, tokenized)``, what
+    :func:`check_data` summarizes and a :class:`~jqlora.train.data.BatchIterator` is built from.
+    Arguments and errors as :func:`check_data`'s."""
     if vocab_size is not None:
         check_tokenizer_fits(tokenizer, vocab_size)
     examples = load_jsonl(data_path, format=format)
-    tokenized = tokenize_examples(tokenizer, examples, special)
+    return examples, tokenize_examples(tokenizer, examples, special)
+
+
+def data_summary(examples: Sequence[Example], tokenized) -> dict:
+    """``{"examples", "formats" ({format: count}), "tokens", "trained_tokens"}`` of tokenized
+    examples (:func:`tokenize_file`)."""
     formats: dict[str, int] = {}
     for ex in examples:
         formats[ex.format] = formats.get(ex.format, 0) + 1

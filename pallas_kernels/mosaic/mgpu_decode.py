@@ -1,6 +1,7 @@
-"""The in-register 4-bit decode of the Hopper kernels (`matmul_4bit_mgpu`, `matmul_4bit_mgpu_t`):
-per-row tables of round(code * absmax) and a byte-permute lookup that turns each 32-bit word of
-8 packed codes into four 16-bit pairs of a wgmma operand, as inline PTX inside Mosaic GPU.
+"""The in-register 4-bit decode of the Hopper kernels (`mgpu_decoded_wgmma`,
+`mgpu_decoded_wgmma_t`): per-row tables of round(code * absmax) and a byte-permute lookup that
+turns each 32-bit word of 8 packed codes into four 16-bit pairs of a wgmma operand, as inline PTX
+inside Mosaic GPU.
 
 Here: the two PTX programs (`_LOOKUP_PROGRAM` run through `nibble_lookup.program_ptx`, and
 `table_ptx`), their jnp twins (`emulate_lookup_words`, `emulate_table_words`) that the CPU tests
@@ -176,7 +177,7 @@ def scale_denester(plgpu, rows: int, cols: int, split_cols: int):
     kernel; de-nesting inside each step's decode puts two dependent global loads in every step
     (slower). Here the loads are
     independent, coalesced, once per tile, and the steps read shared memory as before. It pays
-    only with few scales a thread (`matmul_4bit_mgpu.denests_in_kernel`). Each scale's nested
+    only with few scales a thread (`mgpu_decoded_wgmma.denests_in_kernel`). Each scale's nested
     group is its flat index in the (N, cols) codes / 256: the window's memref offset is the
     first."""
     _, _, _, ir, arith, memref, fa, mu = mosaic_modules()

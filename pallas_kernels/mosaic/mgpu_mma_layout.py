@@ -1,6 +1,6 @@
-"""Where the pair-table MMA kernel's (`matmul_4bit_mgpu_mma`) bytes live: its tile geometry
-(`MmaConfig`), its shared memory, the MMA's column order within a scale group, and numpy
-models of the addresses its shared-memory loads compute. The CPU tests check with these that
+"""Where the pair-table MMA kernel's (`mgpu_mma_pair_table`) bytes live: its tile geometry
+(`MmaPairTableConfig`), its shared memory, the MMA's column order within a scale group, and
+numpy models of the addresses its shared-memory loads compute. The CPU tests check with these that
 every weight load finds the bytes TMA stored (swizzled or not) and count the loads'
 bank-conflict wavefronts; the kernel's MLIR computes the same addresses.
 """
@@ -18,7 +18,7 @@ TILE_KS = (256, 512, 1024)
 
 
 @dataclasses.dataclass(frozen=True)
-class MmaConfig:
+class MmaPairTableConfig:
     """A step is a (cta_rows x tile_k) weight tile, 32 KiB packed. tile_k = 256: each compute
     warpgroup takes 128 of the CTA's 256 rows (128 bytes of a row a step); 512 / 1024: both
     warpgroups take all of the CTA's 128 / 64 rows, each half of the step's columns (256 / 512
@@ -92,12 +92,12 @@ def n_tiles_of(m: int) -> int:
     return -(-m // 8)
 
 
-def acc_count(m: int, cfg: MmaConfig) -> int:
+def acc_count(m: int, cfg: MmaPairTableConfig) -> int:
     """fp32 accumulators a compute thread holds: m16 tiles x n8 tiles x a fragment's 4."""
     return cfg.m_tiles * n_tiles_of(m) * 4
 
 
-def smem_bytes(m: int, cfg: MmaConfig) -> int:
+def smem_bytes(m: int, cfg: MmaPairTableConfig) -> int:
     """The pair table, the stages' weight and x tiles, (nested_code_smem) the 256 f32
     double-quant codes and (wg_reduce) a warpgroup's fp32 partial, each rounded up to 1 KiB."""
     up = lambda b: -(-b // 1024) * 1024
@@ -118,7 +118,7 @@ def swizzle_128(address):
     return address ^ ((address >> 3) & 0x70)
 
 
-def weight_load_offsets(cfg: MmaConfig, warp: int = 0):
+def weight_load_offsets(cfg: MmaPairTableConfig, warp: int = 0):
     """The step's 8-byte weight loads of one warp as the kernel computes them: (physical,
     logical) byte offsets from the start of the warpgroup's part of the tile, each (groups,
     m16 tiles, 2 rows, 32 lanes). Physical is where the load reads, logical the byte (row * row
@@ -141,7 +141,7 @@ def weight_load_offsets(cfg: MmaConfig, warp: int = 0):
     return phys, logical
 
 
-def x_load_offsets(cfg: MmaConfig, m: int):
+def x_load_offsets(cfg: MmaPairTableConfig, m: int):
     """The step's two 16-byte x loads per (group, n8 tile) of a lane, as the kernel computes
     them: (first, second) byte offsets into the x tile, each (groups, n8 tiles, 32 lanes), and
     the byte offsets of the lane's x words 0..3 and 4..7 (columns 64 q + 16 t + 0..7 and

@@ -1,4 +1,4 @@
-"""The pair-table MMA kernel's (`matmul_4bit_mgpu_mma`) code below Pallas: its PTX programs
+"""The pair-table MMA kernel's (`mgpu_mma_pair_table`) code below Pallas: its PTX programs
 (the byte -> A-fragment lookup, the m16n8k16 MMA) and the Mosaic GPU pieces its pipeline calls
 through `inline_mgpu` (pair-table build, one step's lookups, MMAs and scales, the stores of y
 or its partials, the warpgroups' in-CTA sum). Apart from the kernel module so that it keeps its
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.mosaic.mgpu_decode import mosaic_modules
-from pallas_kernels.mosaic.mgpu_mma_layout import GROUP, MmaConfig, acc_count, n_tiles_of
+from pallas_kernels.mosaic.mgpu_mma_layout import GROUP, MmaPairTableConfig, acc_count, n_tiles_of
 from pallas_kernels.mosaic.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, scale_loaders, smem_address)
 
@@ -46,12 +46,12 @@ LOAD_PAIR_PTX = "ld.shared.v2.u32 {$0, $1}, [$2];"
 
 # --------------------------------------------------------------------------- Mosaic pieces
 def swizzled_tile_transforms(plgpu):
-    """The weight tile's shared-memory layout with `MmaConfig.swizzle`: 8-row tiles of whole
-    128-byte rows (so the bytes stay row-major) under TMA's 128-byte swizzle."""
+    """The weight tile's shared-memory layout with `MmaPairTableConfig.swizzle`: 8-row tiles of
+    whole 128-byte rows (so the bytes stay row-major) under TMA's 128-byte swizzle."""
     return plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128)
 
 
-def pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: MmaConfig,
+def pieces(plgpu, m: int, dtype, blocksize: int, cols: int, nested: bool, cfg: MmaPairTableConfig,
             smem_code: bool = False):
     _, _, _, ir, arith, memref, fa, mu = mosaic_modules()
     from jax._src.lib.mlir.dialects import scf, vector

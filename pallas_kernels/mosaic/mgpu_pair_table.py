@@ -1,4 +1,4 @@
-"""What the Hopper pair-table kernels (`matmul_4bit_mgpu_gemv`, `matmul_4bit_mgpu_mma`) share:
+"""What the Hopper pair-table kernels (`mgpu_gemv_pair_table`, `mgpu_mma_pair_table`) share:
 typed inline PTX, shared-memory addresses, the in-kernel scale loads with double-quant
 de-nesting, and the checks and operand preparation of their public functions.
 """
@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.triton.dequantize_4bit import check_4bit_weight
-from pallas_kernels.triton.matmul_4bit import check_x
+from pallas_kernels.reference import check_4bit_weight, check_x
 from pallas_kernels.mosaic.mgpu_decode import DENEST_PTX, mosaic_modules
 
 LANES = 32  # a warp: the pair tables hold one copy per lane

@@ -1,7 +1,9 @@
-"""Fused 4-bit dequant-matmul y = x @ dequant(W).T (Pallas, Triton lowering) + jnp reference.
+"""The two general forms of the 4-bit product y = x @ dequant(W).T (Pallas, Triton lowering):
+`fused_tiled` (dequant fused into a tiled matmul) and `dequant_dot` (the `dequant_tiled` kernel,
+then the vendor GEMM). Their oracle is `reference.matmul_4bit_reference`.
 
-x is split once per call into its even and odd columns; byte j of a packed row holds W[:, 2j]
-(high nibble) and W[:, 2j+1] (low nibble), so
+In `fused_tiled`, x is split once per call into its even and odd columns; byte j of a packed row
+holds W[:, 2j] (high nibble) and W[:, 2j+1] (low nibble), so
     y = x[:, 0::2] @ W_hi.T + x[:, 1::2] @ W_lo.T
 and the kernel never interleaves nibbles. Grid over (M tiles, N tiles); K is looped inside;
 each (block_n, block_k/2) byte tile is decoded in registers (fp32 code * absmax, cast to
@@ -18,22 +20,15 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
-from pallas_kernels.triton.dequantize_4bit import (
-    HIGHEST as _HIGHEST, apply_scales, check_4bit_operands, decode_nibbles, dequantize_4bit,
-    dequantize_4bit_reference, load_code_scalars, pick_block_bytes, resolve_method, row_mask,
-    supports_4bit)
+from pallas_kernels.reference import (
+    check_4bit_operands, check_x, matmul_4bit_reference, supports_4bit)
+from pallas_kernels.triton.dequant_tiled import (
+    HIGHEST as _HIGHEST, apply_scales, decode_nibbles, dequant_tiled, load_code_scalars,
+    pick_block_bytes, resolve_method, row_mask)
 from pallas_kernels.registry import Variant
 
+reference = matmul_4bit_reference
 _NT = (((1,), (1,)), ((), ()))  # contract last dims: a (m, k) . b (n, k) -> (m, n)
-
-
-def check_x(x, k: int, *, what: str, name: str = "x"):
-    if x.ndim != 2:
-        raise ValueError(f"{what}: `{name}` must be 2-D, got shape {x.shape}")
-    if x.shape[1] != k:
-        raise ValueError(f"{what}: `{name}` has {x.shape[1]} columns but the weight needs {k}")
-    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"{what}: `{name}` dtype must be float32/bfloat16/float16, got {x.dtype}")
 
 
 def split_even_odd(x):
@@ -41,18 +36,6 @@ def split_even_odd(x):
     m, k = x.shape
     x2 = x.reshape(m, k // 2, 2)
     return x2[:, :, 0], x2[:, :, 1]
-
-
-def matmul_4bit_reference(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
-                          interpret: bool = False):
-    """Oracle: dot(x, dequant(W).astype(x.dtype).T, fp32 accumulate).astype(out_dtype)."""
-    del interpret
-    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="matmul_4bit_reference")
-    check_x(x, k, what="matmul_4bit_reference")
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    w = dequantize_4bit_reference(packed, absmax, code, blocksize=blocksize, out_dtype=x.dtype)
-    y = jnp.dot(x, w.T, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-    return y.astype(out_dtype)
 
 
 def decode_tile(p_u8, am, code_ref, table, *, method: str, dtype):
@@ -113,7 +96,7 @@ def default_blocks(m: int, n: int, k: int):
 @functools.partial(jax.jit, static_argnames=(
     "blocksize", "out_dtype", "interpret", "block_m", "block_n", "block_k", "method",
     "num_warps", "num_stages"))
-def matmul_4bit(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
+def fused_tiled(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                 interpret: bool = False, block_m: int | None = None, block_n: int | None = None,
                 block_k: int | None = None, method: str = "auto", num_warps: int | None = None,
                 num_stages: int = 3):
@@ -122,8 +105,8 @@ def matmul_4bit(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     block_k counts weight columns (two per packed byte); all blocks are powers of two, block_m
     and block_n >= 16 (Triton dot minimum). M and N edges are masked; K is a multiple of blocksize.
     """
-    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="matmul_4bit")
-    check_x(x, k, what="matmul_4bit")
+    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="fused_tiled")
+    check_x(x, k, what="fused_tiled")
     method = resolve_method(method, "select")
     m = x.shape[0]
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
@@ -134,11 +117,11 @@ def matmul_4bit(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
     num_warps = num_warps or dnw
     for name, b in (("block_m", bm), ("block_n", bn)):
         if not (_compat.is_pow2(b) and b >= 16):
-            raise ValueError(f"matmul_4bit: {name} must be a power of two >= 16, got {b}")
+            raise ValueError(f"fused_tiled: {name} must be a power of two >= 16, got {b}")
     kb = k // 2
     bkb = pick_block_bytes(kb, (block_k or dbk) // 2)
     if bkb < 16:
-        raise ValueError(f"matmul_4bit: block_k must be >= 32, got {block_k}")
+        raise ValueError(f"fused_tiled: block_k must be >= 32, got {block_k}")
     xe, xo = split_even_odd(x)
     kernel = functools.partial(
         _fused_kernel, m=m, n=n, bm=bm, bn=bn, bkb=bkb, nk=kb // bkb, blocksize=blocksize,
@@ -172,22 +155,22 @@ def dot_out(a, b, dims, out_dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("blocksize", "out_dtype", "interpret"))
-def matmul_4bit_dequant_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
-                            interpret: bool = False):
+def dequant_dot(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
+                interpret: bool = False):
     """y = x @ dequant(W).T as the Pallas dequant kernel (dense x.dtype weight, transient) + XLA dot.
 
     Large-M path: the dense weight exists only inside this call (it is never a residual).
     """
-    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="matmul_4bit_dequant_dot")
-    check_x(x, k, what="matmul_4bit_dequant_dot")
+    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="dequant_dot")
+    check_x(x, k, what="dequant_dot")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    w = dequantize_4bit(packed, absmax, code, blocksize=blocksize, out_dtype=x.dtype,
-                        interpret=interpret)
+    w = dequant_tiled(packed, absmax, code, blocksize=blocksize, out_dtype=x.dtype,
+                      interpret=interpret)
     return dot_out(x, w, _NT, out_dtype)
 
 
-def default_kwargs(m: int, n: int, k: int, blocksize: int) -> dict:
-    """The tile keywords `matmul_4bit` uses by default at this shape (`default_blocks`)."""
+def default_config(m: int, n: int, k: int, blocksize: int) -> dict:
+    """The tile keywords `fused_tiled` uses by default at this shape (`default_blocks`)."""
     del blocksize
     bm, bn, bk, nw = default_blocks(m, n, k)
     return dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
@@ -197,7 +180,7 @@ VARIANTS = (
     Variant(
         name="fused_tiled",
         op="matmul_4bit",
-        fn=matmul_4bit,
+        fn=fused_tiled,
         reference=matmul_4bit_reference,
         supports=supports_4bit,
         description="Pallas/Triton fused dequant-matmul: grid (M tiles, N tiles), K loop inside "
@@ -205,12 +188,12 @@ VARIANTS = (
                     "tiles feed two dots; fp32 acc. Decode-bound at large M.",
         numerics="rounded_weight",
         status="experimental",
-        default_config=default_kwargs,
+        default_config=default_config,
     ),
     Variant(
         name="dequant_dot",
         op="matmul_4bit",
-        fn=matmul_4bit_dequant_dot,
+        fn=dequant_dot,
         reference=matmul_4bit_reference,
         supports=supports_4bit,
         description="dequant_tiled kernel to a transient dense x.dtype weight, then the XLA "

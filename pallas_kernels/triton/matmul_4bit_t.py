@@ -1,8 +1,9 @@
-"""Backward product dx = dy @ dequant(W) (Pallas, Triton lowering) + jnp reference.
+"""The two general forms of the backward product dx = dy @ dequant(W) (Pallas, Triton
+lowering): `fused_tiled_t` and `dequant_dot_t`. Their oracle is `reference.matmul_4bit_t_reference`.
 
-dy (M, N), W (N, K) -> dx (M, K), without writing dequant(W) to memory. Grid over (M tiles,
-K-byte tiles); N is looped inside. Each (block_n, block_k/2) byte tile gives the high-nibble
-half W_hi = W[:, 0::2] and the low half W_lo = W[:, 1::2]; the kernel accumulates
+`fused_tiled_t`: dy (M, N), W (N, K) -> dx (M, K), without writing dequant(W) to memory.
+Grid over (M tiles, K-byte tiles); N is looped inside. Each (block_n, block_k/2) byte tile gives
+the high-nibble half W_hi = W[:, 0::2] and the low half W_lo = W[:, 1::2]; the kernel accumulates
 dx_even = dy @ W_hi and dx_odd = dy @ W_lo and writes them interleaved (dx[:, 2j] = even[:, j]).
 """
 from __future__ import annotations
@@ -16,25 +17,15 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
-from pallas_kernels.triton.dequantize_4bit import (
-    HIGHEST as _HIGHEST, check_4bit_operands, dequantize_4bit, dequantize_4bit_reference,
-    load_code_scalars, pick_block_bytes, resolve_method, supports_4bit)
-from pallas_kernels.triton.matmul_4bit import absmax_cols, check_x, decode_tile, dot_out
-
-_NN = (((1,), (0,)), ((), ()))
+from pallas_kernels.reference import (
+    check_4bit_operands, check_x, matmul_4bit_t_reference, supports_4bit)
+from pallas_kernels.triton.dequant_tiled import (
+    HIGHEST as _HIGHEST, dequant_tiled, load_code_scalars, pick_block_bytes, resolve_method)
+from pallas_kernels.triton.matmul_4bit import absmax_cols, decode_tile, dot_out
 from pallas_kernels.registry import Variant
 
-
-def matmul_4bit_t_reference(dy, packed, absmax, code, *, blocksize: int, out_dtype=None,
-                            interpret: bool = False):
-    """Oracle: dot(dy, dequant(W).astype(dy.dtype), fp32 accumulate).astype(out_dtype)."""
-    del interpret
-    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="matmul_4bit_t_reference")
-    check_x(dy, n, what="matmul_4bit_t_reference", name="dy")
-    out_dtype = dy.dtype if out_dtype is None else out_dtype
-    w = dequantize_4bit_reference(packed, absmax, code, blocksize=blocksize, out_dtype=dy.dtype)
-    dx = jnp.dot(dy, w, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-    return dx.astype(out_dtype)
+reference = matmul_4bit_t_reference
+_NN = (((1,), (0,)), ((), ()))
 
 
 def _t_kernel(dy_ref, packed_ref, absmax_ref, code_ref, out_ref, *, m: int, n: int, bm: int,
@@ -76,7 +67,7 @@ def _t_kernel(dy_ref, packed_ref, absmax_ref, code_ref, out_ref, *, m: int, n: i
 @functools.partial(jax.jit, static_argnames=(
     "blocksize", "out_dtype", "interpret", "block_m", "block_n", "block_k", "method",
     "num_warps", "num_stages"))
-def matmul_4bit_t(dy, packed, absmax, code, *, blocksize: int, out_dtype=None,
+def fused_tiled_t(dy, packed, absmax, code, *, blocksize: int, out_dtype=None,
                   interpret: bool = False, block_m: int | None = None, block_n: int | None = None,
                   block_k: int | None = None, method: str = "auto", num_warps: int | None = None,
                   num_stages: int = 3):
@@ -85,8 +76,8 @@ def matmul_4bit_t(dy, packed, absmax, code, *, blocksize: int, out_dtype=None,
     block_k counts weight columns (two per packed byte, output tile is block_m x block_k);
     block_m, block_n powers of two >= 16. M and N edges are masked.
     """
-    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="matmul_4bit_t")
-    check_x(dy, n, what="matmul_4bit_t", name="dy")
+    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="fused_tiled_t")
+    check_x(dy, n, what="fused_tiled_t", name="dy")
     method = resolve_method(method, "select")
     m = dy.shape[0]
     out_dtype = jnp.dtype(dy.dtype if out_dtype is None else out_dtype)
@@ -99,11 +90,11 @@ def matmul_4bit_t(dy, packed, absmax, code, *, blocksize: int, out_dtype=None,
     num_warps = num_warps or (8 if big else 4)
     for name, b in (("block_m", bm), ("block_n", bn)):
         if not (_compat.is_pow2(b) and b >= 16):
-            raise ValueError(f"matmul_4bit_t: {name} must be a power of two >= 16, got {b}")
+            raise ValueError(f"fused_tiled_t: {name} must be a power of two >= 16, got {b}")
     kb = k // 2
     bkb = pick_block_bytes(kb, (block_k or 128) // 2)
     if bkb < 16:
-        raise ValueError(f"matmul_4bit_t: block_k must be >= 32, got {block_k}")
+        raise ValueError(f"fused_tiled_t: block_k must be >= 32, got {block_k}")
     span = 2 * bkb
     g = absmax_cols(span, blocksize)
     if span >= blocksize:
@@ -131,14 +122,14 @@ def matmul_4bit_t(dy, packed, absmax, code, *, blocksize: int, out_dtype=None,
 
 
 @functools.partial(jax.jit, static_argnames=("blocksize", "out_dtype", "interpret"))
-def matmul_4bit_t_dequant_dot(dy, packed, absmax, code, *, blocksize: int, out_dtype=None,
-                              interpret: bool = False):
+def dequant_dot_t(dy, packed, absmax, code, *, blocksize: int, out_dtype=None,
+                  interpret: bool = False):
     """dx = dy @ dequant(W) as the Pallas dequant kernel (transient dense weight) + XLA dot."""
-    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="matmul_4bit_t_dequant_dot")
-    check_x(dy, n, what="matmul_4bit_t_dequant_dot", name="dy")
+    n, k = check_4bit_operands(packed, absmax, code, blocksize, what="dequant_dot_t")
+    check_x(dy, n, what="dequant_dot_t", name="dy")
     out_dtype = jnp.dtype(dy.dtype if out_dtype is None else out_dtype)
-    w = dequantize_4bit(packed, absmax, code, blocksize=blocksize, out_dtype=dy.dtype,
-                        interpret=interpret)
+    w = dequant_tiled(packed, absmax, code, blocksize=blocksize, out_dtype=dy.dtype,
+                      interpret=interpret)
     return dot_out(dy, w, _NN, out_dtype)
 
 
@@ -146,7 +137,7 @@ VARIANTS = (
     Variant(
         name="fused_tiled_t",
         op="matmul_4bit_t",
-        fn=matmul_4bit_t,
+        fn=fused_tiled_t,
         reference=matmul_4bit_t_reference,
         supports=supports_4bit,
         description="Pallas/Triton fused dy @ dequant(W): grid (M tiles, K/128), N loop of 64 "
@@ -158,7 +149,7 @@ VARIANTS = (
     Variant(
         name="dequant_dot_t",
         op="matmul_4bit_t",
-        fn=matmul_4bit_t_dequant_dot,
+        fn=dequant_dot_t,
         reference=matmul_4bit_t_reference,
         supports=supports_4bit,
         description="dequant_tiled kernel to a transient dense weight, then the XLA GEMM dy @ W.",

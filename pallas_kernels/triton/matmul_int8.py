@@ -1,10 +1,11 @@
-"""Weight-only int8 (LLM.int8 row-wise) matmul kernels: y = x @ W.T and dx = dy @ W.
+"""The general forms of the weight-only int8 (LLM.int8 row-wise) products y = x @ W.T and
+dx = dy @ W: the `int8_weight_only` kernels and `int8_dequant_dot` (Pallas, Triton lowering).
 
 A weight is CB int8 (N, K) plus SCB float32 (N,) (row absmax);
 W ~= CB * SCB[:, None] / 127, N = out_features, K = in_features.
 
-Reference numerics (`matmul_int8_reference`, `matmul_int8_t_reference`) follow bitsandbytes'
-weight-only path (`MatMul8bitFp` forward and the `MatMul8bitLt` / `MatMul8bitFp` backward):
+Reference numerics (`reference.matmul_int8_reference`, `matmul_int8_t_reference`) follow
+bitsandbytes' weight-only path (`MatMul8bitFp` forward and the `MatMul8bitLt` / `MatMul8bitFp` backward):
     W_c = (CB.f32 * (SCB * f32(1/127))[:, None]).astype(compute_dtype)   (bnb: CB.to(dtype).mul_(SCB*(1/127)))
     y   = x @ W_c.T, float32 accumulation, one rounding to out_dtype.
 `dequantize_int8_reference(cb, scb, dtype)` gives W_c (bit-exact with that bnb expression).
@@ -12,20 +13,20 @@ Note bnb's `int8_vectorwise_dequant` (used by transformers/PEFT and by the LLM.i
 associates differently: (CB * SCB) * f32(1/127); `dequantize_int8_vectorwise_reference` gives that.
 
 Kernels (Pallas, Triton lowering on GPU, interpret mode on CPU):
-- `matmul_int8`: tiled (bm, bn) programs, K loop inside; by default (`dequant="epilogue"`) it
+- `int8_weight_only`: tiled (bm, bn) programs, K loop inside; by default (`dequant="epilogue"`) it
   computes acc = x @ CB_tile.astype(x.dtype).T in fp32 (int8 -> 16-bit is exact) and multiplies
   acc by SCB/127 per output column in the epilogue. This is mathematically equal to the reference
   but not bitwise (the reference rounds each W element to x.dtype; the epilogue form does not, so
   it is if anything closer to the exact product). `dequant="tile"` dequantizes each CB tile in
   registers exactly like the reference (fp32 math, one rounding to x.dtype) and differs from the
   reference only by accumulation order.
-- `matmul_int8_splitk`: small M (<= 64): grid over (N tiles, K splits), each program streams its
-  CB slice once; with one split the kernel scales and writes the result, with several the fp32
+- `int8_weight_only_splitk`: small M (<= 64): grid over (N tiles, K splits), each program
+  streams its CB slice once; with one split the kernel scales and writes the result, with several the fp32
   partials are summed and scaled in a small XLA epilogue.
-- `matmul_int8_dequant_dot(_t)`: large M: W_c written once per call by the streaming
+- `int8_dequant_dot(_t)`: large M: W_c written once per call by the streaming
   `dequantize_int8` kernel (bit-identical to the reference's W_c), then the vendor GEMM.
-- `matmul_int8_t`: dx = dy @ W without W in memory: dy tile columns are scaled by SCB/127 in fp32,
-  rounded to dy.dtype, then dy_scaled @ CB_tile (CB cast to dy.dtype), fp32 accumulation.
+- `int8_weight_only_t`: dx = dy @ W without W in memory: dy tile columns are scaled by SCB/127 in
+  fp32, rounded to dy.dtype, then dy_scaled @ CB_tile (CB cast to dy.dtype), fp32 accumulation.
 
 Default N and K blocks are the largest power of two (within each kernel's range) that divides N and
 K, so checkpoint dimensions such as K = 11008 (43 tiles of 256) are not copied into a padded CB;
@@ -40,37 +41,35 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import load as _masked_load
+from pallas_kernels.reference import (
+    INV127, check_int8_operands, check_int8_weight, int8_row_scale, matmul_int8_reference,
+    matmul_int8_t_reference)
 from pallas_kernels.triton.matmul_4bit import dot_out
 from pallas_kernels.registry import Variant
 
 __all__ = [
-    "INV127",
     "dequantize_int8",
-    "dequantize_int8_reference",
-    "dequantize_int8_vectorwise_reference",
-    "matmul_int8",
-    "matmul_int8_splitk",
-    "matmul_int8_dequant_dot",
-    "matmul_int8_dequant_dot_t",
-    "matmul_int8_t",
-    "matmul_int8_reference",
-    "matmul_int8_t_reference",
+    "int8_weight_only",
+    "int8_weight_only_dq",
+    "int8_weight_only_splitk",
+    "int8_dequant_dot",
+    "int8_dequant_dot_t",
+    "int8_weight_only_t",
+    "reference",
     "VARIANTS",
 ]
 
-# float32(1/127): bnb's 1.0/127.0 and 7.874015718698502e-3 are both this value in fp32.
-INV127 = np.float32(1.0 / 127.0)
+reference = matmul_int8_reference
 _NT = (((1,), (1,)), ((), ()))  # contract dim 1 of both operands: a @ b.T
 _NN = (((1,), (0,)), ((), ()))
 
 
 # ----------------------------------------------------------------------------- small helpers
-def _triton_params(num_warps, num_stages):
+def triton_params(num_warps, num_stages):
     """Triton compiler params (pallas_kernels._compat's shim; the class is `CompilerParams` in jax
     0.10.2 and 0.11.2). Passing them explicitly also keeps pallas_call on the Triton lowering
     whatever `jax_pallas_use_mosaic_gpu` says. Ignored in interpret mode."""
@@ -115,11 +114,11 @@ def _check_block(name: str, b: int) -> int:
     return b
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _output_tiles(m: int, n: int, k: int, block_m, block_n, block_k):
+def output_tiles(m: int, n: int, k: int, block_m, block_n, block_k):
     """(bm, bn, bk) of the (M tiles, N tiles) kernels with a K loop: the caller's blocks, checked,
     or defaults from the problem size (shared by the weight-only and LLM.int8 kernels)."""
     return (_check_block("block_m", block_m or _clamp_block(m, 16, 128)),
@@ -127,7 +126,7 @@ def _output_tiles(m: int, n: int, k: int, block_m, block_n, block_k):
             _check_block("block_k", block_k or _divisor_block(k, 32, 64)))
 
 
-def _pad2(a, rows: int, cols: int):
+def pad2(a, rows: int, cols: int):
     pr, pc = rows - a.shape[0], cols - a.shape[1]
     if pr == 0 and pc == 0:
         return a
@@ -138,63 +137,8 @@ def _pad1(a, size: int):
     return a if a.shape[0] == size else jnp.pad(a, (0, size - a.shape[0]))
 
 
-def _precision(dtype):
+def dot_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
-def _check_weight(name, x, cb, scb, x_dim: int, x_label: str):
-    if x.ndim != 2:
-        raise ValueError(f"{name}: {x_label} must be 2-D, got shape {x.shape}")
-    if cb.ndim != 2 or cb.dtype != jnp.int8:
-        raise ValueError(f"{name}: cb must be int8 of shape (N, K), got {cb.dtype} {cb.shape}")
-    if scb.shape != (cb.shape[0],):
-        raise ValueError(f"{name}: scb must have shape ({cb.shape[0]},), got {scb.shape}")
-    if x.shape[1] != cb.shape[x_dim]:
-        raise ValueError(
-            f"{name}: {x_label} has {x.shape[1]} columns but cb has shape {cb.shape} "
-            f"(expected dim {x_dim} to match)")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{name}: {x_label} must be floating point, got {x.dtype}")
-
-
-def _row_scale(scb):
-    """SCB * f32(1/127) in float32, as bitsandbytes' `SCB.mul(1.0 / 127.0)`."""
-    return scb.astype(jnp.float32) * INV127
-
-
-# ----------------------------------------------------------------------------- references
-def dequantize_int8_reference(cb, scb, dtype=jnp.float32):
-    """W = CB * (SCB * f32(1/127)) in fp32, one rounding to `dtype` (bnb `MatMul8bitFp` / backward)."""
-    w = cb.astype(jnp.float32) * _row_scale(scb)[:, None]
-    return w.astype(dtype)
-
-
-def dequantize_int8_vectorwise_reference(cb, scb, dtype=jnp.float32):
-    """W = (CB * SCB) * f32(1/127) in fp32, then `dtype` (bnb `int8_vectorwise_dequant` + cast)."""
-    w = (cb.astype(jnp.float32) * scb.astype(jnp.float32)[:, None]) * INV127
-    return w.astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def matmul_int8_reference(x, cb, scb, *, out_dtype=None, interpret=False):
-    """jnp oracle: x @ dequantize_int8_reference(cb, scb, x.dtype).T, fp32 accumulation."""
-    del interpret
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    w = dequantize_int8_reference(cb, scb, x.dtype)
-    y = lax.dot_general(x, w, _NT, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def matmul_int8_t_reference(dy, cb, scb, *, out_dtype=None, interpret=False):
-    """jnp oracle: dy @ dequantize_int8_reference(cb, scb, dy.dtype), fp32 accumulation."""
-    del interpret
-    out_dtype = dy.dtype if out_dtype is None else out_dtype
-    w = dequantize_int8_reference(cb, scb, dy.dtype)
-    y = lax.dot_general(dy, w, _NN, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
 
 
 # ----------------------------------------------------------------------------- y = x @ W.T
@@ -210,7 +154,7 @@ def _oriented_dot(x, w, weight_left: bool, precision):
 def _wo_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, dequant, weight_left):
     bm, bn = o_ref.shape
     cdt = x_ref.dtype
-    prec = _precision(cdt)
+    prec = dot_precision(cdt)
     if dequant == "tile":
         s_col = s_ref[...]  # (bn, 1) f32
 
@@ -236,9 +180,9 @@ def _wo_kernel(x_ref, cb_ref, s_ref, o_ref, *, nk, bk, dequant, weight_left):
     jax.jit,
     static_argnames=("out_dtype", "interpret", "dequant", "block_m", "block_n", "block_k",
                      "num_warps", "num_stages", "weight_left"))
-def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogue",
-                block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=3,
-                weight_left=False):
+def int8_weight_only(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogue",
+                     block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=3,
+                     weight_left=False):
     """y = x @ W.T with W = CB * SCB[:, None] / 127; x (M, K) float, cb (N, K) int8, scb (N,) f32.
 
     Compute in x.dtype (bf16/fp16 matrix product, or IEEE fp32 for fp32 x), fp32 accumulation,
@@ -248,20 +192,20 @@ def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogu
     rounding (not bitwise). weight_left: the tile product is CB_tile . x_tile^T (see
     `_oriented_dot`), same numerics.
     """
-    _check_weight("matmul_int8", x, cb, scb, 1, "x")
+    check_int8_operands(x, cb, scb, what="int8_weight_only")
     if dequant not in ("epilogue", "tile"):
-        raise ValueError(f"matmul_int8: dequant must be 'epilogue' or 'tile', got {dequant!r}")
+        raise ValueError(f"int8_weight_only: dequant must be 'epilogue' or 'tile', got {dequant!r}")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     m, k = x.shape
     n = cb.shape[0]
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
-    bm, bn, bk = _output_tiles(m, n, k, block_m, block_n, block_k)
-    mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
+    bm, bn, bk = output_tiles(m, n, k, block_m, block_n, block_k)
+    mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
     nk = kp // bk
-    xp = _pad2(x, mp, kp)
-    cbp = _pad2(cb, np_, kp)
-    s = jnp.pad(_row_scale(scb), (0, np_ - n))
+    xp = pad2(x, mp, kp)
+    cbp = pad2(cb, np_, kp)
+    s = jnp.pad(int8_row_scale(scb), (0, np_ - n))
     if dequant == "tile":
         s_arr, s_spec = s[:, None], pl.BlockSpec((bn, 1), lambda i, j: (j, 0))
     else:
@@ -278,7 +222,7 @@ def matmul_int8(x, cb, scb, *, out_dtype=None, interpret=False, dequant="epilogu
             s_spec,
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        compiler_params=_triton_params(num_warps, num_stages),
+        compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="matmul_int8",
     )(xp, cbp, s_arr)
@@ -293,7 +237,7 @@ def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, per, nk, bk, m, scale, weight
     is not padded to splits * per tiles). scale: multiply by SCB * f32(1/127) (s_ref holds SCB)
     and write out_dtype here (one K split) instead of fp32 partials."""
     cdt = x_ref.dtype
-    prec = _precision(cdt)
+    prec = dot_precision(cdt)
     bm = x_ref.shape[0]
     xmask = None if m == bm else lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < m
     first = pl.program_id(1) * per
@@ -314,7 +258,7 @@ def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, per, nk, bk, m, scale, weight
     if weight_left:
         acc = acc.T
     if scale:
-        acc = acc * (s_ref[...] * INV127)  # (1, bn) f32, as _row_scale
+        acc = acc * (s_ref[...] * INV127)  # (1, bn) f32, as int8_row_scale
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -322,31 +266,32 @@ def _splitk_kernel(x_ref, cb_ref, s_ref, o_ref, *, per, nk, bk, m, scale, weight
     jax.jit,
     static_argnames=("out_dtype", "interpret", "block_n", "block_k", "splits", "num_warps",
                      "num_stages", "weight_left"))
-def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=None,
-                       block_k=None, splits=None, num_warps=4, num_stages=3, weight_left=False):
-    """Small-M (M <= 64) form of `matmul_int8` (epilogue scaling): grid (N tiles, K splits), each
-    program streams its (block_n, K/splits) slice of CB once against all M rows (x padded to
+def int8_weight_only_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=None,
+                            block_k=None, splits=None, num_warps=4, num_stages=3,
+                            weight_left=False):
+    """Small-M (M <= 64) form of `int8_weight_only` (epilogue scaling): grid (N tiles, K splits),
+    each program streams its (block_n, K/splits) slice of CB once against all M rows (x padded to
     16..64 rows in registers: rows beyond M are masked in the load). With one split, SCB/127 is applied and out_dtype written in the kernel; with
     several, the fp32 partial sums are added and scaled in XLA. Same numerics class as
-    `matmul_int8(dequant="epilogue")` (different summation order).
+    `int8_weight_only(dequant="epilogue")` (different summation order).
 
     Defaults: 64 x 256 tiles; one split once N / 64 >= 128 tiles (a wave of programs), else ~256
     programs (chosen by measurement: docs/kernels.md). When the split count does not divide the
     K tiles the last split is shorter (CB is not padded). `weight_left` (CB tile as the MMA's
     left operand) measured slower at M <= 16; kept as an option for comparison.
     """
-    _check_weight("matmul_int8_splitk", x, cb, scb, 1, "x")
+    check_int8_operands(x, cb, scb, what="int8_weight_only_splitk")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     m, k = x.shape
     n = cb.shape[0]
     if m > 64:
-        raise ValueError(f"matmul_int8_splitk: M={m} > 64; use matmul_int8")
+        raise ValueError(f"int8_weight_only_splitk: M={m} > 64; use int8_weight_only")
     if m == 0 or n == 0:
         return jnp.zeros((m, n), out_dtype)
     bm = _clamp_block(m, 16, 64)
     bn = _check_block("block_n", block_n or _divisor_block(n, 16, 64))
     bk = _check_block("block_k", block_k or _divisor_block(k, 32, 256))
-    np_ = _round_up(n, bn)
+    np_ = round_up(n, bn)
     n_tiles = np_ // bn
     nk_total = -(-k // bk)
     if splits is None:
@@ -356,8 +301,8 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
     splits = -(-nk_total // per)  # drop empty splits; the last may hold fewer than `per` tiles
     kp = nk_total * bk  # == K unless block_k does not divide K
     scale = splits == 1
-    xp = _pad2(x, m, kp)  # rows stay unpadded: the kernel masks rows >= m
-    cbp = _pad2(cb, np_, kp)
+    xp = pad2(x, m, kp)  # rows stay unpadded: the kernel masks rows >= m
+    cbp = pad2(cb, np_, kp)
     s = _pad1(scb.astype(jnp.float32), np_)[None, :]
     part = pl.pallas_call(
         functools.partial(_splitk_kernel, per=per, nk=nk_total, bk=bk, m=m, scale=scale,
@@ -370,21 +315,21 @@ def matmul_int8_splitk(x, cb, scb, *, out_dtype=None, interpret=False, block_n=N
             pl.BlockSpec((1, bn), lambda j, s: (0, j)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda j, s: (s, j)),
-        compiler_params=_triton_params(num_warps, num_stages),
+        compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="matmul_int8_splitk",
     )(xp, cbp, s)
     if scale:
         return part[:m, :n]
     acc = part.reshape(splits, bm, np_).sum(axis=0)[:m, :n]
-    return (acc * _row_scale(scb)[None, :]).astype(out_dtype)
+    return (acc * int8_row_scale(scb)[None, :]).astype(out_dtype)
 
 
 # ----------------------------------------------------------------------------- dx = dy @ W
 def _t_kernel(dy_ref, cb_ref, s_ref, o_ref, *, nn, bn):
     bm, bk = o_ref.shape
     cdt = dy_ref.dtype
-    prec = _precision(cdt)
+    prec = dot_precision(cdt)
 
     def body(j, acc):
         ns = pl.ds(pl.multiple_of(j * bn, bn), bn)
@@ -401,13 +346,13 @@ def _t_kernel(dy_ref, cb_ref, s_ref, o_ref, *, nn, bn):
     jax.jit,
     static_argnames=("out_dtype", "interpret", "block_m", "block_n", "block_k", "num_warps",
                      "num_stages"))
-def matmul_int8_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None, block_n=None,
-                  block_k=None, num_warps=None, num_stages=3):
+def int8_weight_only_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None, block_n=None,
+                       block_k=None, num_warps=None, num_stages=3):
     """dx = dy @ W (M, K) for dy (M, N), without materializing W: each dy tile is scaled per column
     by SCB/127 in fp32 and rounded to dy.dtype, then multiplied by CB (cast to dy.dtype, exact),
     fp32 accumulation, one rounding to out_dtype (default dy.dtype). block_n is the reduction
     block (over N), block_k the output-column block (over K)."""
-    _check_weight("matmul_int8_t", dy, cb, scb, 0, "dy")
+    check_int8_operands(dy, cb, scb, what="int8_weight_only_t", name="dy", dim=0)
     out_dtype = dy.dtype if out_dtype is None else jnp.dtype(out_dtype)
     m, n = dy.shape
     k = cb.shape[1]
@@ -416,10 +361,10 @@ def matmul_int8_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None,
     bm = _check_block("block_m", block_m or _clamp_block(m, 16, 128))
     bn = _check_block("block_n", block_n or _divisor_block(n, 32, 64))
     bk = _check_block("block_k", block_k or _divisor_block(k, 16, 128))
-    mp, np_, kp = _round_up(m, bm), _round_up(n, bn), _round_up(k, bk)
-    dyp = _pad2(dy, mp, np_)
-    cbp = _pad2(cb, np_, kp)
-    s = jnp.pad(_row_scale(scb), (0, np_ - n))[None, :]
+    mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
+    dyp = pad2(dy, mp, np_)
+    cbp = pad2(cb, np_, kp)
+    s = jnp.pad(int8_row_scale(scb), (0, np_ - n))[None, :]
     if num_warps is None:
         num_warps = 8 if bm * bk >= 128 * 128 else 4
     out = pl.pallas_call(
@@ -432,7 +377,7 @@ def matmul_int8_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None,
             pl.BlockSpec((1, np_), lambda i, j: (0, 0)),
         ],
         out_specs=pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
-        compiler_params=_triton_params(num_warps, num_stages),
+        compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="matmul_int8_t",
     )(dyp, cbp, s)
@@ -441,7 +386,7 @@ def matmul_int8_t(dy, cb, scb, *, out_dtype=None, interpret=False, block_m=None,
 
 # ----------------------------------------------------------------------------- large M: dense W + GEMM
 def _dequant_kernel(cb_ref, scb_ref, o_ref):
-    s = scb_ref[...] * INV127  # (bn, 1) f32, as _row_scale: no separate XLA kernel for it
+    s = scb_ref[...] * INV127  # (bn, 1) f32, as int8_row_scale: no separate XLA kernel for it
     o_ref[...] = (cb_ref[...].astype(jnp.float32) * s).astype(o_ref.dtype)
 
 
@@ -450,16 +395,13 @@ def dequantize_int8(cb, scb, *, out_dtype=jnp.float32, interpret=False, block_n=
     """W_c = CB * (SCB * f32(1/127)) in fp32, one rounding to out_dtype: bit-identical to
     `dequantize_int8_reference`, as one streaming Pallas kernel (1 byte read, 2 written per weight
     for 16-bit out_dtype) that XLA cannot fuse into a consumer GEMM."""
-    if cb.ndim != 2 or cb.dtype != jnp.int8:
-        raise ValueError(f"dequantize_int8: cb must be int8 of shape (N, K), got {cb.dtype} {cb.shape}")
-    if scb.shape != (cb.shape[0],):
-        raise ValueError(f"dequantize_int8: scb must have shape ({cb.shape[0]},), got {scb.shape}")
+    check_int8_weight(cb, scb, what="dequantize_int8")
     n, k = cb.shape
     if n == 0 or k == 0:
         return jnp.zeros((n, k), out_dtype)
     bn = _divisor_block(n, 16, _check_block("block_n", block_n))
     bk = _divisor_block(k, 32, _check_block("block_k", block_k))
-    np_, kp = _round_up(n, bn), _round_up(k, bk)
+    np_, kp = round_up(n, bn), round_up(k, bk)
     s = _pad1(scb.astype(jnp.float32), np_)[:, None]
     out = pl.pallas_call(
         _dequant_kernel,
@@ -468,42 +410,42 @@ def dequantize_int8(cb, scb, *, out_dtype=jnp.float32, interpret=False, block_n=
         in_specs=[pl.BlockSpec((bn, bk), lambda i, j: (i, j)),
                   pl.BlockSpec((bn, 1), lambda i, j: (i, 0))],
         out_specs=pl.BlockSpec((bn, bk), lambda i, j: (i, j)),
-        compiler_params=_triton_params(4, 1),
+        compiler_params=triton_params(4, 1),
         interpret=interpret,
         name="dequantize_int8",
-    )(_pad2(cb, np_, kp), s)
+    )(pad2(cb, np_, kp), s)
     return out[:n, :k]
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def matmul_int8_dequant_dot(x, cb, scb, *, out_dtype=None, interpret=False):
+def int8_dequant_dot(x, cb, scb, *, out_dtype=None, interpret=False):
     """y = x @ W.T for large M: W is written once in x.dtype (exactly the reference's W_c, by the
     `dequantize_int8` kernel), then the vendor GEMM. A separate kernel also keeps XLA from fusing
     the int8 convert into a slower generated GEMM; W lives for this call only (never a residual)."""
-    _check_weight("matmul_int8_dequant_dot", x, cb, scb, 1, "x")
+    check_int8_operands(x, cb, scb, what="int8_dequant_dot")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     w = dequantize_int8(cb, scb, out_dtype=x.dtype, interpret=interpret)
     return dot_out(x, w, _NT, out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def matmul_int8_dequant_dot_t(dy, cb, scb, *, out_dtype=None, interpret=False):
-    """dx = dy @ W for large M, as `matmul_int8_dequant_dot` (transient W, vendor GEMM)."""
-    _check_weight("matmul_int8_dequant_dot_t", dy, cb, scb, 0, "dy")
+def int8_dequant_dot_t(dy, cb, scb, *, out_dtype=None, interpret=False):
+    """dx = dy @ W for large M, as `int8_dequant_dot` (transient W, vendor GEMM)."""
+    check_int8_operands(dy, cb, scb, what="int8_dequant_dot_t", name="dy", dim=0)
     out_dtype = dy.dtype if out_dtype is None else jnp.dtype(out_dtype)
     w = dequantize_int8(cb, scb, out_dtype=dy.dtype, interpret=interpret)
     return dot_out(dy, w, _NN, out_dtype)
 
 
-def _matmul_int8_tile(x, cb, scb, *, out_dtype=None, interpret=False):
-    return matmul_int8(x, cb, scb, out_dtype=out_dtype, interpret=interpret, dequant="tile")
+def int8_weight_only_dq(x, cb, scb, *, out_dtype=None, interpret=False):
+    return int8_weight_only(x, cb, scb, out_dtype=out_dtype, interpret=interpret, dequant="tile")
 
 
-def _supports_all(m, n, k, blocksize=None):
+def supports(m, n, k, blocksize=None):
     return True
 
 
-def _supports_small_m(m, n, k, blocksize=None):
+def supports_splitk(m, n, k, blocksize=None):
     return 0 < m <= 64
 
 
@@ -511,9 +453,9 @@ VARIANTS = (
     Variant(
         name="int8_weight_only",
         op="matmul_int8",
-        fn=matmul_int8,
+        fn=int8_weight_only,
         reference=matmul_int8_reference,
-        supports=_supports_all,
+        supports=supports,
         description="tiled (bm,bn) x K-loop; CB tile cast to x.dtype, SCB/127 in the epilogue",
         numerics="int8_weight_only",
         status="experimental",
@@ -521,9 +463,9 @@ VARIANTS = (
     Variant(
         name="int8_weight_only_dq",
         op="matmul_int8",
-        fn=_matmul_int8_tile,
+        fn=int8_weight_only_dq,
         reference=matmul_int8_reference,
-        supports=_supports_all,
+        supports=supports,
         description="tiled; CB tile dequantized in registers (fp32 math, one rounding) like bnb",
         numerics="int8_weight_only",
         status="experimental",
@@ -531,9 +473,9 @@ VARIANTS = (
     Variant(
         name="int8_weight_only_splitk",
         op="matmul_int8",
-        fn=matmul_int8_splitk,
+        fn=int8_weight_only_splitk,
         reference=matmul_int8_reference,
-        supports=_supports_small_m,
+        supports=supports_splitk,
         description="M<=64: grid (N tiles, K splits), CB streamed once, fp32 partials summed",
         numerics="int8_weight_only",
         status="default",
@@ -541,9 +483,9 @@ VARIANTS = (
     Variant(
         name="int8_dequant_dot",
         op="matmul_int8",
-        fn=matmul_int8_dequant_dot,
+        fn=int8_dequant_dot,
         reference=matmul_int8_reference,
-        supports=_supports_all,
+        supports=supports,
         description="large M: W_c written once per call (dequantize_int8 kernel), vendor GEMM",
         numerics="int8_weight_only",
         status="default",
@@ -551,9 +493,9 @@ VARIANTS = (
     Variant(
         name="int8_dequant_dot_t",
         op="matmul_int8_t",
-        fn=matmul_int8_dequant_dot_t,
+        fn=int8_dequant_dot_t,
         reference=matmul_int8_t_reference,
-        supports=_supports_all,
+        supports=supports,
         description="dy @ W for large M: W_c written once per call (dequantize_int8), vendor GEMM",
         numerics="int8_weight_only",
         status="default",
@@ -561,9 +503,9 @@ VARIANTS = (
     Variant(
         name="int8_weight_only_t",
         op="matmul_int8_t",
-        fn=matmul_int8_t,
+        fn=int8_weight_only_t,
         reference=matmul_int8_t_reference,
-        supports=_supports_all,
+        supports=supports,
         description="dy @ W: dy columns scaled by SCB/127 in-tile, then dy_s @ CB, no W in memory",
         numerics="int8_weight_only",
         status="experimental",
