@@ -26,7 +26,7 @@ LAYERS = (
     ("parallel", "compile_cache", "lowered_cache", "tokenizer"),
     ("models",),
     ("train", "adapters"),
-    ("runs", "merge", "crosscheck"),
+    ("runs", "merge", "gguf_export", "crosscheck"),
     ("demo",),
     ("cli",),
 )
