@@ -24,6 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jqlora import ops as _ops
+from jqlora.errors import SettingError
 from jqlora.ops import sharding
 from jqlora import quant
 from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
@@ -387,7 +388,7 @@ class CausalLM(nnx.Module):
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_IMPLS}")
         if attention != "einsum" and config.attn_softcap is not None:
-            raise ValueError(f"attention {attention!r} cannot apply {config.model_type}'s attention soft-capping "
+            raise SettingError(f"attention {attention!r} cannot apply {config.model_type}'s attention soft-capping "
                              f"(attn_logit_softcapping={config.attn_softcap:g}); use attention='einsum'")
         self.attention = attention
         self.config = config
