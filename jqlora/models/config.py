@@ -1,4 +1,12 @@
-"""`ModelConfig`: the architecture facts of a Llama-family checkpoint, parsed from HF config.json."""
+"""`ModelConfig`: the architecture facts of a decoder-only checkpoint, parsed from HF config.json.
+
+Llama (2/3), Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 share one module tree
+(`jqlora.models.llama`); what differs between them is data here: the norm's form (Llama's
+``w * x`` or Gemma's ``(1 + w) * x`` in float32), the embedding scale, the attention scale and
+soft-caps, the sandwich norms around attention and MLP, per-layer sliding windows and the second
+RoPE table of Gemma 3's sliding layers. A multimodal Gemma 3 config (``model_type: gemma3``) is
+read through its nested ``text_config``.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +18,8 @@ import numpy as np
 
 from jqlora.errors import Error
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
@@ -97,12 +106,30 @@ class ModelConfig:
     qk_norm: bool = False
     hidden_act: str = "silu"
     sliding_windows: tuple = ()  # per layer: window size (int) or None
+    norm_kind: str = "llama"     # "llama": w * x cast first; "gemma": (1 + w) * x in float32, then cast
+    embed_scale: Optional[float] = None  # Gemma: sqrt(hidden), rounded to the compute dtype at use
+    query_pre_attn_scalar: Optional[float] = None  # attention scale = this ** -0.5 (None: head_dim)
+    attn_softcap: Optional[float] = None   # Gemma 2: scores = cap * tanh(scores / cap)
+    final_softcap: Optional[float] = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    sandwich_norms: bool = False  # Gemma: norms after attention and around the MLP (4 per layer)
+    local_rope_theta: Optional[float] = None  # Gemma 3: RoPE base of the sliding layers (default rope)
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None  # int or tuple of ints
 
     @property
     def rope_params(self) -> dict:
         return dict(self.rope_scaling)
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q.k: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return float((self.query_pre_attn_scalar or self.head_dim) ** -0.5)
+
+    def local(self) -> "ModelConfig":
+        """The config whose RoPE is that of the sliding-window layers (itself unless Gemma 3)."""
+        if self.local_rope_theta is None:
+            return self
+        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_type="default", rope_scaling=())
 
     @property
     def q_features(self) -> int:
@@ -135,6 +162,12 @@ class ModelConfig:
         if not isinstance(mt, str) or mt not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if mt == "gemma3":
+            cfg = text_config(cfg)
+            mt = "gemma3_text"
+        gemma = mt in GEMMA_TYPES
+        if gemma and _bool(cfg, "use_bidirectional_attention"):
+            raise UnsupportedModelError("use_bidirectional_attention (an embedding model) is not supported")
         hidden = _int(cfg, "hidden_size")
         heads = _int(cfg, "num_attention_heads")
         layers = _int(cfg, "num_hidden_layers")
@@ -152,7 +185,7 @@ class ModelConfig:
                              "rotary embeddings need an even one")
         if cfg.get("partial_rotary_factor", 1.0) not in (None, 1.0):
             raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
-        act = _get(cfg, "hidden_act", "silu")
+        act = _get(cfg, "hidden_activation", "gelu_pytorch_tanh") if gemma else _get(cfg, "hidden_act", "silu")
         if not isinstance(act, str) or act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
 
@@ -160,11 +193,17 @@ class ModelConfig:
         # v4 wrote rope_theta at top level and rope_scaling = {rope_type|type, factor, ...} or null.
         rp = _get(cfg, "rope_parameters", {})
         rs = cfg.get("rope_scaling")
+        local_theta = None
+        if mt == "gemma3_text":  # one table per layer type: full layers get rope_scaling, sliding ones a base
+            rp, local_theta = _gemma3_rope(cfg, rp)
+            rs = None
         for key, v in (("rope_parameters", rp), ("rope_scaling", rs)):
             if v is not None and not isinstance(v, Mapping):
                 raise ValueError(f"{key!r} is {v!r}; expected an object or null")
         rp = {**dict(rs or {}), **dict(rp)}
         theta = _float(rp, "rope_theta", _float(cfg, "rope_theta", 10000.0))
+        if mt == "gemma3_text" and "rope_theta" not in rp:
+            theta = 1_000_000.0
         rope_type = rp.get("rope_type", rp.get("type")) or "default"
         if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
@@ -184,12 +223,21 @@ class ModelConfig:
         # Biases and per-architecture extras (as transformers' modeling files hard-code them).
         qkv_bias = o_bias = False
         qk_norm = False
-        if mt in ("llama", "qwen3"):
+        if mt in ("llama", "qwen3") or gemma:
             qkv_bias = o_bias = _bool(cfg, "attention_bias")
         if mt == "qwen2":
             qkv_bias = True
-        if mt == "qwen3":
+        if mt in ("qwen3", "gemma3_text"):
             qk_norm = True
+        gemma_fields = {}
+        if gemma:
+            softcap = {"gemma2": (50.0, 30.0), "gemma3_text": (None, None)}[mt]  # transformers' defaults
+            gemma_fields = dict(
+                norm_kind="gemma", embed_scale=float(hidden ** 0.5), sandwich_norms=True,
+                query_pre_attn_scalar=_float(cfg, "query_pre_attn_scalar", 256.0),
+                attn_softcap=_cap(cfg, "attn_logit_softcapping", softcap[0]),
+                final_softcap=_cap(cfg, "final_logit_softcapping", softcap[1]),
+                local_rope_theta=local_theta)
         mlp_bias = _bool(cfg, "mlp_bias") if mt == "llama" else False
 
         windows = _sliding_windows(cfg, mt, layers)
@@ -202,8 +250,55 @@ class ModelConfig:
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=qk_norm, hidden_act=act,
             sliding_windows=windows, bos_token_id=_token_ids(cfg, "bos_token_id"),
-            eos_token_id=_token_ids(cfg, "eos_token_id"),
+            eos_token_id=_token_ids(cfg, "eos_token_id"), **gemma_fields,
         )
+
+
+def text_config(cfg: Mapping) -> dict:
+    """The text model's config of a multimodal checkpoint (Gemma 3's ``text_config``), with the
+    top-level keys transformers reads from the outer config (tied embeddings, token ids) where the
+    nested one lacks them; a flat config is returned as it is."""
+    inner = cfg.get("text_config")
+    if inner is None:
+        return dict(cfg)
+    if not isinstance(inner, Mapping):
+        raise ValueError(f"'text_config' is {inner!r}; expected an object")
+    out = dict(inner)
+    out.setdefault("model_type", "gemma3_text")
+    for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if k in cfg and out.get(k) is None:
+            out[k] = cfg[k]
+    return out
+
+
+def _cap(cfg: Mapping, key: str, default: Optional[float]) -> Optional[float]:
+    """A soft-cap: absent means transformers' default for the family, null means none."""
+    if key not in cfg:
+        return default
+    return None if cfg[key] is None else _float(cfg, key, 1.0)
+
+
+def _gemma3_rope(cfg: Mapping, rp: Mapping) -> tuple[dict, Optional[float]]:
+    """Gemma 3's two RoPE tables -> (the full-attention layers' rope parameters, the sliding layers'
+    base). transformers v5 writes ``rope_parameters = {"full_attention": {...}, "sliding_attention":
+    {...}}``; v4 wrote ``rope_theta``, ``rope_local_base_freq`` and ``rope_scaling`` (full layers)."""
+    if "full_attention" in rp or "sliding_attention" in rp:
+        full = dict(rp.get("full_attention") or {})
+        local = dict(rp.get("sliding_attention") or {})
+    else:
+        full = {**dict(cfg.get("rope_scaling") or {}), **dict(rp)}
+        if cfg.get("rope_theta") is not None:
+            full.setdefault("rope_theta", cfg["rope_theta"])
+        local = {"rope_type": "default"}
+        if cfg.get("rope_local_base_freq") is not None:
+            local["rope_theta"] = cfg["rope_local_base_freq"]
+    for where, v in (("full_attention", full), ("sliding_attention", local)):
+        if not isinstance(v, Mapping):
+            raise ValueError(f"rope_parameters[{where!r}] is {v!r}; expected an object")
+    local_type = local.get("rope_type", local.get("type")) or "default"
+    if local_type != "default":
+        raise UnsupportedModelError(f"rope_type {local_type!r} on sliding-window layers is not supported")
+    return full, _float(local, "rope_theta", 10_000.0)
 
 
 def _sliding_windows(cfg: Mapping, mt: str, layers: int) -> tuple:
@@ -212,10 +307,14 @@ def _sliding_windows(cfg: Mapping, mt: str, layers: int) -> tuple:
     window = _int(cfg, "sliding_window")
     if mt == "mistral":
         return (window,) * layers
-    # qwen2 / qwen3: only with use_sliding_window; layer_types (v5) says which layers.
-    if not _bool(cfg, "use_sliding_window"):
-        return (None,) * layers
     types = cfg.get("layer_types")
+    if mt in GEMMA_TYPES:  # transformers' rule when layer_types is absent: Gemma 2 alternates, Gemma 3 5:1
+        if types is None:
+            period = 2 if mt == "gemma2" else _int(cfg, "sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+    # qwen2 / qwen3: only with use_sliding_window; layer_types (v5) says which layers.
+    elif not _bool(cfg, "use_sliding_window"):
+        return (None,) * layers
     if types is None:
         mwl = _int(cfg, "max_window_layers", layers, minimum=0)
         types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]

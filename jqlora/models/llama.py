@@ -1,12 +1,14 @@
-"""Llama-family causal LMs in Flax NNX: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, Qwen2, Qwen3.
+"""Decoder-only causal LMs in Flax NNX: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, Qwen2, Qwen3,
+Gemma 2 and Gemma 3 (text). The differences between the families are `ModelConfig` fields.
 
 Module tree names equal the HF module names (`model.layers.0.self_attn.q_proj`,
 `model.layers.0.mlp.gate_proj`, `model.norm`, `lm_head`), so `jqlora.lora.named_linears`,
 `lora_params_by_module` and the loader map 1:1 onto checkpoint and PEFT keys.
 
-Numerics follow transformers: RMSNorm in float32 (weight applied after casting back), RoPE
-cos/sin computed in float32 and cast to the compute dtype (rotate_half convention), attention
-scores accumulated in float32 with a float32 softmax, SwiGLU MLP. Every tensor read from the
+Numerics follow transformers: RMSNorm in float32 (Llama: weight applied after casting back; Gemma:
+(1 + weight) applied in float32, then cast), RoPE cos/sin computed in float32 and cast to the
+compute dtype (rotate_half convention), attention scores accumulated in float32 with a float32
+softmax (Gemma 2: soft-capped before the mask), gated MLP (SwiGLU, or GeGLU for Gemma). Every tensor read from the
 checkpoint is frozen (`FrozenParam` / `QuantizedBase`); only LoRA matrices are `nnx.Param`s.
 The modules take their tensors from a source (`jqlora.models.build`: `from_params` builds a model
 from a dict of arrays); this file knows no files.
@@ -22,6 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jqlora import ops as _ops
+from jqlora.errors import SettingError
 from jqlora.ops import sharding
 from jqlora import quant
 from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
@@ -48,27 +51,40 @@ def _activation(name: str) -> Callable:
 
 # ---------------------------------------------------------------------------------------- layers
 class RMSNorm(nnx.Module):
-    """HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) in float32, back to x.dtype, times weight."""
+    """x * rsqrt(mean(x^2) + eps) in float32. kind "llama" (HF LlamaRMSNorm): back to x.dtype, then
+    times weight. kind "gemma" (HF Gemma2/3RMSNorm): times (1 + weight) in float32, then back to
+    x.dtype (Gemma stores the offset from one)."""
 
-    def __init__(self, weight, eps: float):
+    def __init__(self, weight, eps: float, kind: str = "llama"):
+        if kind not in ("llama", "gemma"):
+            raise ValueError(f"unknown norm kind {kind!r}")
         self.weight = FrozenParam(host_or_device(weight))
         self.eps = float(eps)
+        self.kind = kind
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        if self.kind == "gemma":
+            return (h * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
 
 
 class Embedding(nnx.Module):
-    def __init__(self, weight):
+    """The token table; `scale` (Gemma: sqrt(hidden)) multiplies the rows after rounding it to the
+    compute dtype, as transformers rounds it to the model's dtype (sqrt(640) is 25.25 in bf16). The
+    tied output projection uses the unscaled table."""
+
+    def __init__(self, weight, scale: Optional[float] = None):
         weight = host_or_device(weight)
         if weight.ndim != 2:
             raise ValueError(f"embedding weight must be 2-D (vocab, hidden), got shape {weight.shape}")
         self.weight = FrozenParam(weight)
+        self.scale = scale
 
     def __call__(self, ids: jax.Array, dtype) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0).astype(dtype)
+        x = jnp.take(self.weight[...], ids, axis=0).astype(dtype)
+        return x if self.scale is None else x * jnp.asarray(self.scale, dtype)
 
     def attend(self, x: jax.Array, dtype) -> jax.Array:
         """Tied output projection: x @ E.T."""
@@ -99,6 +115,11 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return idx - start_idx
 
 
+def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's attention and final-logit soft-capping); x when cap is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
 def attention_mask(q_slots, k_slots, q_seg, k_seg, window: Optional[int]):
     """Boolean (B, T, S): causal by slot, same nonzero segment, inside the sliding window."""
     qs = q_slots[:, :, None]
@@ -119,8 +140,8 @@ class Attention(nnx.Module):
         self.v_proj = linears["v_proj"]
         self.o_proj = linears["o_proj"]
         if config.qk_norm:
-            self.q_norm = RMSNorm(norms["q_norm"], config.rms_norm_eps)
-            self.k_norm = RMSNorm(norms["k_norm"], config.rms_norm_eps)
+            self.q_norm = RMSNorm(norms["q_norm"], config.rms_norm_eps, config.norm_kind)
+            self.k_norm = RMSNorm(norms["k_norm"], config.rms_norm_eps, config.norm_kind)
 
     def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, runs=None, kv_cache=None, index=None,
                  impl: str = "einsum", plain_causal: bool = False):
@@ -152,7 +173,7 @@ class Attention(nnx.Module):
         g = h // kvh
         qg = q.reshape(b, t, kvh, g, d)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-        scores = scores * jnp.float32(d ** -0.5)
+        scores = softcap(scores * jnp.float32(cfg.attn_scale), cfg.attn_softcap)
         mask = attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None, None]
         scores = jnp.where(mask, scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
@@ -170,12 +191,15 @@ class Attention(nnx.Module):
         would otherwise compute and then mask. With `runs` (cuDNN, packed rows, no sliding
         window shorter than the row) there is no mask at all: `packed_attention`."""
         b, t, h, d = q.shape
+        if self.config.attn_softcap is not None:  # CausalLM refuses this at build time; a guard
+            raise ValueError(f"attention {impl!r} has no soft-capping; this model needs attention='einsum'")
+        scale = self.config.attn_scale
         if runs is not None and (self.window is None or self.window >= t):
-            out = packed_attention.packed_causal_attention(q, k, v, q_seg, runs, scale=d ** -0.5)
+            out = packed_attention.packed_causal_attention(q, k, v, q_seg, runs, scale=scale)
             return out.reshape(b, t, h * d)
         window = None if self.window is None else (self.window - 1, 0)
         mask = None if plain_causal else attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None]
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=d ** -0.5,
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
                                            local_window_size=window if plain_causal else None,
                                            implementation=impl)
         return out.reshape(b, t, h * d)
@@ -221,19 +245,33 @@ class DecoderLayer(nnx.Module):
         if c.qk_norm:
             norms = {n: src.tensor(f"{prefix}.self_attn.{n}.weight", (c.head_dim,)) for n in ("q_norm", "k_norm")}
         self.self_attn = Attention(c, attn_lin, norms, window)
+        self.window = window
         self.mlp = MLP(c, {
             "gate_proj": lin("mlp.gate_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
             "up_proj": lin("mlp.up_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
             "down_proj": lin("mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias),
         })
-        self.input_layernorm = RMSNorm(src.tensor(f"{prefix}.input_layernorm.weight", (c.hidden_size,)), c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(
-            src.tensor(f"{prefix}.post_attention_layernorm.weight", (c.hidden_size,)), c.rms_norm_eps)
+        norm = lambda n: RMSNorm(src.tensor(f"{prefix}.{n}.weight", (c.hidden_size,)), c.rms_norm_eps,  # noqa: E731
+                                 c.norm_kind)
+        self.input_layernorm = norm("input_layernorm")
+        # Llama: the norm before the MLP. Gemma (sandwich norms): the norm of the attention output,
+        # and two more around the MLP.
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.sandwich = c.sandwich_norms
+        if c.sandwich_norms:
+            self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm")
+            self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
 
     def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, runs=None, kv_cache=None, index=None,
                  impl: str = "einsum", plain_causal: bool = False, mlp_chunk: int = 0):
+        if isinstance(cos, tuple):  # (global, local) RoPE tables: Gemma 3's sliding layers take the local one
+            j = 0 if self.window is None else 1
+            cos, sin = cos[j], sin[j]
         a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, q_slots, k_slots, q_seg, k_seg,
                                    runs, kv_cache, index, impl, plain_causal)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), mlp_chunk)), new_kv
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x), mlp_chunk)
         return x, new_kv
@@ -244,10 +282,11 @@ class LlamaModel(nnx.Module):
 
     def __init__(self, config: ModelConfig, src: "_Source"):
         c = config
-        self.embed_tokens = Embedding(src.tensor("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)))
+        self.embed_tokens = Embedding(src.tensor("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)),
+                                      c.embed_scale)
         layers = [DecoderLayer(c, src, f"model.layers.{i}", c.sliding_windows[i]) for i in range(c.num_hidden_layers)]
         self.layers = DecoderLayers(layers, donate=src.donation(layers))
-        self.norm = RMSNorm(src.tensor("model.norm.weight", (c.hidden_size,)), c.rms_norm_eps)
+        self.norm = RMSNorm(src.tensor("model.norm.weight", (c.hidden_size,)), c.rms_norm_eps, c.norm_kind)
 
 
 class DecoderStack(LayerStack):
@@ -348,6 +387,9 @@ class CausalLM(nnx.Module):
                  backend: str = "auto", attention: str = "einsum"):
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention {attention!r}; expected one of {ATTENTION_IMPLS}")
+        if attention != "einsum" and config.attn_softcap is not None:
+            raise SettingError(f"attention {attention!r} cannot apply {config.model_type}'s attention soft-capping "
+                             f"(attn_logit_softcapping={config.attn_softcap:g}); use attention='einsum'")
         self.attention = attention
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype)
@@ -365,10 +407,11 @@ class CausalLM(nnx.Module):
         return KVCache.init(self.config, batch, max_len, self.compute_dtype)
 
     def lm_logits(self, h: jax.Array) -> jax.Array:
-        """Logits of final (normed) hidden states h (..., hidden): lm_head, or the tied embedding."""
+        """Logits of final (normed) hidden states h (..., hidden): lm_head, or the tied embedding;
+        soft-capped where the model says so (Gemma 2), so the chunked loss sees the same logits."""
         if self.lm_head is None:
-            return self.model.embed_tokens.attend(h, self.compute_dtype)
-        return self.lm_head(h)
+            return softcap(self.model.embed_tokens.attend(h, self.compute_dtype), self.config.final_softcap)
+        return softcap(self.lm_head(h), self.config.final_softcap)
 
     def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None,
                  return_states: bool = False, return_hidden: bool = False, segment_runs=None, layer_states=None):
@@ -403,6 +446,9 @@ class CausalLM(nnx.Module):
             if positions is None:
                 positions = q_slots
         cos, sin = rope_cos_sin(cfg, jnp.asarray(positions), dtype)
+        if cfg.local_rope_theta is not None:  # Gemma 3: the sliding layers' own table (DecoderLayer picks)
+            lcos, lsin = rope_cos_sin(cfg.local(), jnp.asarray(positions), dtype)
+            cos, sin = (cos, lcos), (sin, lsin)
         x = self.model.embed_tokens(input_ids, dtype)
         states = {"embed": x}
 

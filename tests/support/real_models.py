@@ -1,4 +1,5 @@
-"""The real pretrained model of the tests: SmolLM2-135M-Instruct (bf16, NF4 and LLM.int8 folders).
+"""The real pretrained models of the tests: SmolLM2-135M-Instruct and Gemma 3 270M (bf16, NF4 and
+LLM.int8 folders of each).
 
 Not a test module: test files import the fixture (``from real_models import smollm2``). The
 folders come from `jqlora.demo.real_model.build_smollm2`: built once per machine from the
@@ -18,6 +19,18 @@ def smollm2():
 
     try:
         return build_smollm2()
+    except ModelUnavailable as e:
+        pytest.skip(f"real model not installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """Gemma 3 270M's cached bf16 / NF4 / LLM.int8 folders (`jqlora.demo.real_model.build_gemma3`:
+    built on first use, about 2 minutes on 2 cores)."""
+    from jqlora.demo.real_model import ModelUnavailable, build_gemma3
+
+    try:
+        return build_gemma3()
     except ModelUnavailable as e:
         pytest.skip(f"real model not installed: {e}")
 

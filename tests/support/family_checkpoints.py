@@ -1,0 +1,107 @@
+"""Tiny random checkpoints of the other model families (Gemma 2, Gemma 3 text, Gemma 3 multimodal),
+made with transformers (+ bitsandbytes) on CPU, as `checkpoint_factory` makes Llama ones.
+
+Not a test module: tests import it by name (tests/conftest.py puts tests/support on sys.path).
+Weights are random, drawn so that every part matters: norms N(0, 0.1) around Gemma's (1 + w),
+linears N(0, 0.05). Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+# in_features stay multiples of 64: bitsandbytes 0.50.2 dequantizes blocks that span rows wrongly on CPU
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=128)
+
+# Windows shorter than the tests' sequences, an attention scale that is not head_dim ** -0.5, and
+# soft-caps small enough to bite (Gemma 2).
+GEMMA2 = dict(model_type="gemma2", sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+              final_logit_softcapping=3.0, **TINY)
+GEMMA3 = dict(model_type="gemma3_text", sliding_window=6, query_pre_attn_scalar=24, **TINY)
+
+_CACHE: dict = {}
+
+
+def _quiet():
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def randomize(model, seed: int = 0):
+    """Draw every parameter: norms N(0, 0.1), everything else N(0, 0.05)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 0.1 if "norm" in name else 0.05
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def text_model(config: dict, seed: int = 0, dtype=torch.float32):
+    """A random transformers causal LM of `config` (a dict with model_type), eager attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet()
+    cfg = AutoConfig.for_model(**config)
+    cfg._attn_implementation = "eager"
+    return randomize(AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager"), seed).eval()
+
+
+def multimodal_gemma3(seed: int = 0):
+    """A random `Gemma3ForConditionalGeneration`: a tiny SigLIP tower + projector + the GEMMA3 text model."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    _quiet()
+    text = {k: v for k, v in GEMMA3.items() if k != "model_type"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
+                       boi_token_index=253, eoi_token_index=254)
+    cfg.text_config._attn_implementation = "eager"
+    return randomize(Gemma3ForConditionalGeneration(cfg).eval(), seed)
+
+
+def save(model, directory, quant: str | None = None, dtype=torch.float32) -> Path:
+    """Save `model` to `directory`, plain (quant None) or through bitsandbytes ("nf4", "int8"), as
+    transformers saves a quantized model: the plain save is loaded back with a BitsAndBytesConfig."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, BitsAndBytesConfig
+
+    directory = Path(directory)
+    if quant is None:
+        model.save_pretrained(directory)
+        return directory
+    qc = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=dtype) if quant == "nf4" else BitsAndBytesConfig(load_in_8bit=True))
+    auto = AutoModelForImageTextToText if "ConditionalGeneration" in type(model).__name__ else AutoModelForCausalLM
+    with tempfile.TemporaryDirectory() as plain:
+        model.save_pretrained(plain)
+        q = auto.from_pretrained(plain, quantization_config=qc, device_map="cpu", dtype=dtype)
+    q.save_pretrained(directory)
+    return directory
+
+
+def cached(tmp_path_factory, kind: str, quant: str | None = None) -> Path:
+    """The checkpoint of `kind` ("gemma2", "gemma3", "gemma3_mm") in format `quant`, built once per
+    session. Read-only."""
+    key = (kind, quant)
+    path = _CACHE.get(key)
+    if path is None or not path.exists():
+        model = multimodal_gemma3() if kind == "gemma3_mm" else text_model({"gemma2": GEMMA2, "gemma3": GEMMA3}[kind])
+        path = save(model, tmp_path_factory.mktemp(f"{kind}-{quant}"), quant)
+        _CACHE[key] = path
+    return path
+
+
+def load_with_transformers(directory, train: bool = False):
+    """The saved checkpoint as transformers loads it (eager attention; CPU). train=True picks
+    bitsandbytes' training path (dequantize + linear), which float32 comparisons need."""
+    from transformers import AutoModelForCausalLM
+
+    _quiet()
+    m = AutoModelForCausalLM.from_pretrained(str(directory), device_map="cpu", attn_implementation="eager")
+    return m.train() if train else m.eval()
