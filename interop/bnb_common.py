@@ -61,9 +61,16 @@ def read_config(path, *, unwrap: bool = True) -> dict:
     return config
 
 
+# The parts of a multimodal checkpoint (Gemma 3) outside its text model, whose shapes the text config
+# does not describe.
+NON_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def expected_linear_shape(config: dict, module: str):
     """(out, in) a Llama-family config implies for `module`, or None when it says nothing."""
     if config.get("model_type") not in LLAMA_FAMILY:
+        return None
+    if module.startswith(NON_TEXT_PREFIXES):  # a multimodal checkpoint's vision tower: not this config's
         return None
 
     def get(name, default=None):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from interop.bnb_common import NON_TEXT_PREFIXES  # the parts a text model leaves out (said once)
 from jqlora import quant
 from jqlora._util import QUANTIZE_FORMATS
 from jqlora.errors import SettingError
@@ -122,8 +123,6 @@ _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 # A multimodal checkpoint's text model (Gemma 3: `Gemma3ForConditionalGeneration`), saved by
 # transformers 5 under the first prefix and by earlier versions under the second.
 TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
-# The parts of a multimodal checkpoint a text model leaves out (said once, never silently).
-NON_TEXT_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def text_model_params(params: Mapping[str, Any], log=None) -> dict:
