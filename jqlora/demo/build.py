@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jqlora.demo import task
+import jqlora.demo.task as task
 
 
 def llama_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int):

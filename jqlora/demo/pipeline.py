@@ -99,7 +99,7 @@ def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Ca
     steps = _Steps(7, log)
 
     # 1. data -------------------------------------------------------------------------------
-    from jqlora.demo import task
+    import jqlora.demo.task as task
 
     steps.start("data", "task: reverse lowercase strings (3-10 letters); prompt 's=' -> completion reversed(s)")
     split = task.make_split(s.n_train, s.n_heldout, seed=s.seed)
@@ -108,7 +108,7 @@ def run_demo(out="demo_out", settings: Optional[DemoSettings] = None, *, log: Ca
     log(f"      {len(split.train)} training / {len(split.heldout)} held-out examples (disjoint) -> {out / 'data'}")
 
     # 2. base model ---------------------------------------------------------------------------
-    from jqlora.demo import build
+    import jqlora.demo.build as build
 
     steps.start("pretrain", f"base model: Llama (hidden {s.hidden}, {s.layers} layers, {s.heads} heads / {s.kv_heads} "
                             f"kv, char vocab) pretrained from scratch in PyTorch fp32 on the COPY task "

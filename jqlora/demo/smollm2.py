@@ -113,7 +113,7 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
 
     from jqlora import adapters, models
     from jqlora.lora import LoraConfig
-    from jqlora.demo import real_model
+    import jqlora.demo.real_model as real_model
 
     if model not in REAL_MODELS:
         raise ValueError(f"model must be one of {', '.join(REAL_MODELS)}, got {model!r}")

@@ -29,7 +29,7 @@ from jqlora.ops import sharding
 from jqlora import quant
 from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
 from jqlora.lora.stacked import LayerStack, StackedLayers
-from jqlora.models import packed_attention
+import jqlora.models.packed_attention as packed_attention
 from jqlora.models.cache import KVCache
 from jqlora.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
 from jqlora.models.remat import (LAYER_INPUT, REMAT_POLICIES, mlp_chunk_for, remat_plan, resolve_remat,

@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jqlora.ops import sharding
+import jqlora.ops.sharding as sharding
 from jqlora.ops.dispatch import Plan, choose_plan
 from jqlora.ops.products import acc_dtype, backward_product, dot_nn, dot_nt, forward_product, precision
 from jqlora.quant import Int8Weight, Weight4bit
