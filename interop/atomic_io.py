@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -134,14 +133,17 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
     An existing `target` is a FileExistsError (raised before yielding, and again before the
     rename if one appeared meanwhile) unless `overwrite`: then it is moved aside only once the new
     directory is complete, put back if the final rename fails, and deleted after it succeeded.
-    The parent directory is created if missing.
+    The parent directory is created if missing. Files and folders get the mode the umask gives.
     """
     target = Path(target)
     if not overwrite and os.path.lexists(target):
         raise FileExistsError(f"{target} already exists")
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+    # os.mkdir, not tempfile.mkdtemp: the folder gets the umask's mode (mkdtemp's is 0700, and the
+    # rename would hand that to the finished folder)
+    tmp = tmp_name(target)
+    tmp.mkdir()
     old = None
     try:
         yield tmp

@@ -17,8 +17,8 @@ from interop.errors import CheckpointError
 from interop.json_io import read_json_object
 
 CONFIG_FILE = "config.json"
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"})
-_PROJ_RE = re.compile(r"(?:^|\.)layers\.\d+\.(?:self_attn\.([qkvo])_proj|mlp\.(gate|up|down)_proj)$")
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"})
+_PROJ_RE = re.compile(r"(?:^|\.)layers\.\d+\.(?:self_attn\.(qkv|[qkvo])_proj|mlp\.(gate_up|gate|up|down)_proj)$")
 
 
 def _is_int(x) -> bool:
@@ -97,6 +97,9 @@ def expected_linear_shape(config: dict, module: str):
         "gate": (inter, hidden) if inter else None,
         "up": (inter, hidden) if inter else None,
         "down": (hidden, inter) if inter else None,
+        # Phi-3's fused projections: q, k, v rows stacked; gate rows, then up rows
+        "qkv": ((heads + 2 * kv) * head_dim, hidden) if heads and kv and head_dim else None,
+        "gate_up": (2 * inter, hidden) if inter else None,
     }
     return shapes[attn or mlp]
 

@@ -73,6 +73,7 @@ import numpy as np
 from interop.bnb_common import (CONFIG_FILE, _is_int, _is_num, expected_linear_shape, is_skipped, read_config,
                                 skip_patterns)
 from interop.errors import CheckpointError
+from interop.experts import split_fused_4bit
 from interop.safetensors_io import open_checkpoint
 from jqlora.quant import Int8Weight, Weight4bit, dequantize
 from jqlora.quant.tables import BLOCKSIZES_4BIT, NESTED_BLOCKSIZE, QUANT_TYPES, code_4bit, dynamic_map
@@ -286,9 +287,10 @@ def _parse_quant_state(ctx, key: str, qt_from_key: str) -> dict:
     return state
 
 
-def _parse_4bit(ctx, module: str, parts: dict[str, str]) -> dict:
-    """Validate the quant_state JSON and which siblings exist; returns the facts _build_4bit needs."""
-    wkey = module + ".weight"
+def _parse_4bit(ctx, module: str, parts: dict[str, str], wkey: str | None = None) -> dict:
+    """Validate the quant_state JSON and which siblings exist; returns the facts _build_4bit needs.
+    wkey: the packed codes' key (default ``module.weight``; a fused expert parameter's own name)."""
+    wkey = module + ".weight" if wkey is None else wkey
     qs_parts = [p for p in parts if p.startswith(_QS_PREFIX)]
     if not qs_parts:
         raise CheckpointError(f"{ctx.ckpt.root}: missing tensor {wkey + '.quant_state.bitsandbytes__<nf4|fp4>'!r} "
@@ -451,12 +453,13 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
         ctx = _Ctx(ckpt)
         keys = ckpt.keys()
         fourbit, int8 = _classify(keys)
+        fused = split_fused_4bit(keys)  # mixture-of-experts parameters quantized whole (interop.experts)
         both = sorted(set(fourbit) & set(int8))
         if both:
             raise ctx.fail(both[0] + ".SCB", f"module {both[0]!r} has both 4-bit and 8-bit tensors")
-        if fourbit or int8:
-            example = next(iter((fourbit or int8).values()))
-            kinds = {"4bit"} if fourbit else set()
+        if fourbit or int8 or fused:
+            example = next(iter((fourbit or int8 or fused).values()))
+            kinds = {"4bit"} if fourbit or fused else set()
             kinds |= {"int8"} if int8 else set()
             qc = _quant_config(config, path, next(iter(example.values())), kinds)
         else:
@@ -499,6 +502,16 @@ def load_bnb_checkpoint(path, *, transposed: str = "error", device=None,
                 params[m] = q
             claimed.update(parts.values())
             claimed.add(m + ".weight")
+        for p in sorted(fused):
+            parts = {k: v for k, v in fused[p].items() if k}
+            s = _parse_4bit(ctx, p, parts, wkey=p)
+            q = _build_4bit(ctx, s, put_quantized, copy=not staging)
+            what = "nested_absmax" if s["nested"] else "absmax (4-bit block scales)"
+            checks.add(p + (".nested_absmax" if s["nested"] else ".absmax"),
+                       q.nested_absmax if s["nested"] else q.absmax, scale=True, what=what)
+            params[p] = q
+            claimed.update(fused[p].values())
+            claimed.add(p)
         threshold = float(qc.get("llm_int8_threshold", 6.0)) if qc else 6.0
         for m in sorted(int8):
             parts = int8[m]

@@ -30,6 +30,7 @@ import numpy as np
 
 from interop.atomic_io import atomic_directory, write_text_atomic
 from interop.errors import CheckpointError
+from interop.experts import EXPERT_PARAMS, from_peft_factors, peft_param_modules, to_peft_factors
 from interop.json_io import read_json_object
 from interop.safetensors_io import SafetensorsFile, write_safetensors
 
@@ -91,6 +92,8 @@ def unsupported(config: Mapping, where: str, *, per_module: bool = True) -> None
     options = UNSUPPORTED_OPTIONS + (PER_MODULE_OPTIONS if per_module else ())
     for key, what in options:
         v = config.get(key)
+        if key == "target_parameters" and expert_targets(v):
+            continue  # LoRA on mixture-of-experts stacks (interop.experts) is read
         if _in_use(v):
             shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
             raise AdapterFormatError(f"not supported: {key}={shown} in {where} ({what})")
@@ -155,8 +158,17 @@ def check_adapter_config(config: Mapping, where: str, error: type[Exception] = A
             re.compile(targets)
         except re.error as e:
             raise error(f"{where}: 'target_modules' regex {targets!r} is invalid: {e}") from None
+    elif targets in (None, []) and expert_targets(config.get("target_parameters")):
+        pass  # LoRA on expert stacks only
     elif not (isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) and t for t in targets)):
         raise bad("target_modules", "a non-empty list of module names or a regex string")
+
+
+def expert_targets(v) -> bool:
+    """Whether `v` (a target_parameters value) is a non-empty list of mixture-of-experts stacks
+    jqlora reads (``[...]experts.gate_up_proj`` / ``[...]experts.down_proj``)."""
+    return (isinstance(v, list) and bool(v)
+            and all(isinstance(t, str) and t.split(".")[-2:] in (["experts", p] for p in EXPERT_PARAMS) for t in v))
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -203,6 +215,7 @@ def save_peft_adapter(
     dropout: float = 0.0,
     bias: str = "none",
     task_type: Optional[str] = "CAUSAL_LM",
+    target_parameters: Optional[Sequence[str]] = None,
 ) -> str:
     """Write a PEFT LoRA adapter directory that ``peft.PeftModel.from_pretrained`` loads.
 
@@ -211,6 +224,9 @@ def save_peft_adapter(
     target_modules: list of module-name suffixes (``["q_proj", "v_proj"]``) or one regex string,
         as in ``peft.LoraConfig``; every module in ``lora_params`` must match it, or PEFT would
         silently drop its weights on load.
+    target_parameters: mixture-of-experts stacks (``["mlp.experts.gate_up_proj", ...]``): their
+        entries in ``lora_params`` (``...mlp.experts.gate_up_proj``) hold stacks A (E, rank, in),
+        B (E, out, rank), written in PEFT's ``target_parameters`` layout (`interop.experts`).
 
     Tensors are saved as **float32** whatever their dtype in memory (bf16/fp16 convert exactly);
     PEFT casts them to the model's dtype on load. The directory is written to a temporary
@@ -222,9 +238,10 @@ def save_peft_adapter(
     config = _make_config(
         os.path.join(path, CONFIG_NAME), rank=rank, alpha=alpha, target_modules=target_modules,
         base_model_name_or_path=base_model_name_or_path, use_rslora=use_rslora,
-        dropout=dropout, bias=bias, task_type=task_type,
+        dropout=dropout, bias=bias, task_type=task_type, target_parameters=target_parameters,
     )
-    tensors = _adapter_tensors(lora_params, rank=rank, target_modules=config["target_modules"])
+    tensors = _adapter_tensors(lora_params, rank=rank, target_modules=config["target_modules"],
+                               target_parameters=config["target_parameters"])
     config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
 
     if os.path.exists(path) and not os.path.isdir(path):
@@ -240,7 +257,7 @@ def save_peft_adapter(
 
 
 def _make_config(config_file: str, *, rank, alpha, target_modules, base_model_name_or_path, use_rslora, dropout,
-                 bias, task_type):
+                 bias, task_type, target_parameters=None):
     """The adapter_config.json to write to `config_file`, its LoRA fields checked by
     `check_adapter_config` (numpy scalars count as the numbers they hold)."""
     def plain(v):
@@ -248,9 +265,17 @@ def _make_config(config_file: str, *, rank, alpha, target_modules, base_model_na
 
     if isinstance(target_modules, Sequence) and not isinstance(target_modules, str):
         target_modules = list(target_modules)
+    params = sorted(set(target_parameters)) if target_parameters else None
+    if params is not None and not expert_targets(params):
+        raise AdapterFormatError(f"{config_file}: target_parameters {params!r}: only mixture-of-experts stacks "
+                                 f"(...experts.{' / ...experts.'.join(EXPERT_PARAMS)}) are supported")
+    if params is not None and dropout:
+        raise AdapterFormatError(f"{config_file}: lora_dropout {dropout} with target_parameters: PEFT's expert "
+                                 "LoRA has no dropout (train the experts' LoRA with dropout 0)")
     check_adapter_config({"r": plain(rank), "lora_alpha": plain(alpha), "lora_dropout": float(dropout),
-                          "target_modules": target_modules}, config_file)
-    targets: Any = target_modules if isinstance(target_modules, str) else sorted(set(target_modules))
+                          "target_modules": target_modules, "target_parameters": params}, config_file)
+    targets: Any = target_modules if isinstance(target_modules, str) or target_modules is None \
+        else (sorted(set(target_modules)) or None)
     if bias not in ("none", "all", "lora_only"):
         raise AdapterFormatError(f"bias must be 'none', 'all' or 'lora_only', got {bias!r}")
     if bias != "none":
@@ -267,6 +292,7 @@ def _make_config(config_file: str, *, rank, alpha, target_modules, base_model_na
         "lora_alpha": alpha,
         "lora_dropout": float(dropout),
         "target_modules": targets,
+        "target_parameters": params,
         "exclude_modules": None,
         "bias": bias,
         "use_rslora": bool(use_rslora),
@@ -287,7 +313,7 @@ def _make_config(config_file: str, *, rank, alpha, target_modules, base_model_na
     }
 
 
-def _adapter_tensors(lora_params, *, rank: int, target_modules) -> dict:
+def _adapter_tensors(lora_params, *, rank: int, target_modules, target_parameters=None) -> dict:
     if not isinstance(lora_params, Mapping) or not lora_params:
         raise AdapterFormatError(
             f"lora_params must be a non-empty mapping module_name -> {{'lora_A', 'lora_B'}}, got {type(lora_params).__name__}"
@@ -299,12 +325,15 @@ def _adapter_tensors(lora_params, *, rank: int, target_modules) -> dict:
         if not isinstance(pair, Mapping) or set(pair) != {"lora_A", "lora_B"}:
             got = sorted(pair) if isinstance(pair, Mapping) else type(pair).__name__
             raise AdapterFormatError(f"{module}: expected exactly the keys 'lora_A' and 'lora_B', got {got}")
-        if not _target_matches(module, target_modules):
+        a = _as_float32(pair["lora_A"], f"{module}.lora_A")
+        b = _as_float32(pair["lora_B"], f"{module}.lora_B")
+        if a.ndim == 3 or b.ndim == 3:
+            tensors.update(_expert_tensors(module, a, b, rank, target_parameters, lora_params))
+            continue
+        if target_modules is None or not _target_matches(module, target_modules):
             raise AdapterFormatError(
                 f"{module}: not matched by target_modules={target_modules!r}; PEFT would ignore its weights"
             )
-        a = _as_float32(pair["lora_A"], f"{module}.lora_A")
-        b = _as_float32(pair["lora_B"], f"{module}.lora_B")
         if a.ndim != 2 or b.ndim != 2:
             raise AdapterFormatError(f"{module}: lora_A {a.shape} and lora_B {b.shape} must both be 2-D")
         if a.shape[0] != rank or b.shape[1] != rank:
@@ -315,6 +344,53 @@ def _adapter_tensors(lora_params, *, rank: int, target_modules) -> dict:
         tensors[f"{KEY_PREFIX}{module}.lora_A.weight"] = a
         tensors[f"{KEY_PREFIX}{module}.lora_B.weight"] = b
     return tensors
+
+
+def _expert_tensors(module, a, b, rank, target_parameters, lora_params) -> dict:
+    """The PEFT tensors of one expert stack's LoRA (A (E, r, in), B (E, out, r))."""
+    root, _, param = module.rpartition(".")
+    if param not in EXPERT_PARAMS or not root.endswith("experts"):
+        raise AdapterFormatError(f"{module}: 3-D LoRA factors belong to mixture-of-experts stacks "
+                                 f"(...experts.{' / ...experts.'.join(EXPERT_PARAMS)})")
+    if not target_parameters or not any(module == t or module.endswith("." + t) for t in target_parameters):
+        raise AdapterFormatError(f"{module}: not matched by target_parameters={target_parameters!r}; PEFT would "
+                                 "ignore its weights")
+    if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0] or a.shape[1] != rank or b.shape[2] != rank:
+        raise AdapterFormatError(f"{module}: lora_A {a.shape} and lora_B {b.shape}: expected (E, r={rank}, in) and "
+                                 f"(E, out, r={rank})")
+    siblings = [p for p in EXPERT_PARAMS if f"{root}.{p}" in lora_params]
+    where = peft_param_modules(siblings)[param]
+    name = f"{root}.{where}" if where else root
+    pa, pb = to_peft_factors(a, b)
+    return {f"{KEY_PREFIX}{name}.lora_A.weight": pa, f"{KEY_PREFIX}{name}.lora_B.weight": pb}
+
+
+def _expert_params(found: dict, config: dict, weights_file: str) -> dict:
+    """PEFT's expert LoRA tensors (modules ``...experts`` / ``...experts.base_layer``) as
+    {``...experts.gate_up_proj``: {"lora_A": (E, r, in), "lora_B": (E, out, r)}}; `found` loses them."""
+    targets = config.get("target_parameters")
+    if not expert_targets(targets):
+        return {}
+    params = [p for p in EXPERT_PARAMS if any(t.split(".")[-1] == p for t in targets)]
+    where = {v: k for k, v in peft_param_modules(params).items()}
+    r = config["r"]
+    out = {}
+    for module in sorted(found):
+        root = module[: -len(".base_layer")] if module.endswith(".base_layer") else module
+        if not root.endswith(".experts") and root != "experts":
+            continue
+        param = where.get("base_layer" if module.endswith(".base_layer") else "")
+        pair = found.pop(module)
+        if param is None or set(pair) != {"lora_A", "lora_B"}:
+            raise AdapterFormatError(f"{weights_file}: {module}: expert LoRA tensors that target_parameters "
+                                     f"{targets!r} does not explain (or a lora_A without its lora_B)")
+        a, b = pair["lora_A"], pair["lora_B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] % r or b.shape[1] != a.shape[0]:
+            raise AdapterFormatError(f"{weights_file}: {module}: lora_A {a.shape} and lora_B {b.shape} are not "
+                                     f"(r*E, in) and (out, r*E) with r={r}")
+        a3, b3 = from_peft_factors(a, b, a.shape[0] // r)
+        out[f"{root}.{param}"] = {"lora_A": a3, "lora_B": b3}
+    return out
 
 
 # --------------------------------------------------------------------------------------------- load
@@ -361,7 +437,7 @@ def load_peft_adapter(path):
 
     r = config["r"]
     rank_pattern = config.get("rank_pattern") or {}
-    lora_params = {}
+    lora_params = _expert_params(found, config, weights_file)
     for module in sorted(found):
         pair = found[module]
         for which, other in (("lora_A", "lora_B"), ("lora_B", "lora_A")):

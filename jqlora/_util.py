@@ -110,7 +110,7 @@ ATTENTION_CHOICES = ("auto", "einsum", "xla", "cudnn")
 # What `auto` picks, said once here and in every command's --help.
 ATTENTION_AUTO_HELP = ("auto = cudnn (cuDNN flash attention; packed rows run cuDNN's packed layout) on a GPU "
                        "where cuDNN attention runs the compute dtype (bf16/fp16), einsum (jnp, float32 "
-                       "scores) elsewhere")
+                       "scores) elsewhere and for soft-capped attention (Gemma 2)")
 
 
 def cudnn_attention_available() -> bool:
@@ -129,35 +129,48 @@ def cudnn_attention_available() -> bool:
         return False
 
 
-def resolve_attention(name: str, compute_dtype: str) -> tuple[str, str]:
+def resolve_attention(name: str, compute_dtype: str, *, soft_capped: bool = False, backend: str | None = None,
+                      cudnn: bool | None = None) -> tuple[str, str]:
     """The attention implementation a model runs for the CLI's `--attention NAME`, and why.
 
     `auto` is cuDNN flash attention where it runs (a GPU, bf16/fp16 compute; the model then runs
     packed training rows through cuDNN's packed layout, `jqlora.models.packed_attention`), and the
-    einsum path elsewhere (float32 scores: the reference the cross-checks use).
+    einsum path elsewhere (float32 scores: the reference the cross-checks use). A model with
+    soft-capped attention scores (Gemma 2) runs the einsum path only: neither cuDNN's nor XLA's
+    fused attention can cap the scores.
 
     Args:
       name: one of `ATTENTION_CHOICES`; anything but "auto" is returned as is.
       compute_dtype: the compute dtype name ("float32", "bfloat16", "float16").
+      soft_capped: the model soft-caps its attention scores (`ModelConfig.attn_softcap`).
+      backend: the JAX backend ("gpu", "cpu", ...); None: `jax.default_backend()`.
+      cudnn: whether cuDNN flash attention runs here; None: `cudnn_attention_available()`.
 
     Returns:
       (implementation, reason): the implementation for `load_causal_lm(attention=...)` and a
       short phrase saying why it was chosen.
 
     Raises:
-      SettingError: an unknown name (a ValueError).
+      SettingError: an unknown name, or "cudnn" / "xla" for a soft-capped model (a ValueError).
     """
     if name not in ATTENTION_CHOICES:
         raise SettingError(f"unknown attention {name!r}; expected one of {', '.join(ATTENTION_CHOICES)}")
+    if soft_capped and name in ("cudnn", "xla"):
+        raise SettingError(f"--attention {name} cannot soft-cap attention scores, which this model does "
+                           "(attn_logit_softcapping); use --attention einsum or auto")
     if name != "auto":
         return name, "requested"
-    import jax  # noqa: PLC0415
+    if soft_capped:
+        return "einsum", "auto: the model soft-caps its attention scores, which only the einsum path applies"
+    if backend is None:
+        import jax  # noqa: PLC0415
 
-    if jax.default_backend() != "gpu":
-        return "einsum", f"auto: no GPU (JAX backend {jax.default_backend()})"
+        backend = jax.default_backend()
+    if backend != "gpu":
+        return "einsum", f"auto: no GPU (JAX backend {backend})"
     if compute_dtype not in ("bfloat16", "float16"):
         return "einsum", f"auto: cuDNN attention needs bf16/fp16, the compute dtype is {compute_dtype}"
-    if not cudnn_attention_available():
+    if not (cudnn_attention_available() if cudnn is None else cudnn):
         return "einsum", "auto: cuDNN flash attention is not available on this GPU/cuDNN"
     return "cudnn", "auto: GPU with cuDNN flash attention"
 

@@ -13,6 +13,7 @@ module only maps it onto `jqlora.lora.LoraConfig` and a model's LoRA layers:
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -52,6 +53,13 @@ def lora_config_from_peft(cfg: Mapping[str, Any], where: str = "adapter_config.j
     cfg = {**cfg, "lora_alpha": cfg.get("lora_alpha", cfg.get("r"))}  # no lora_alpha: alpha = r
     check_adapter_config(cfg, where, AdapterMismatchError)
     targets = cfg["target_modules"]
+    params = cfg.get("target_parameters") or []  # mixture-of-experts stacks (checked by `unsupported`)
+    if params:
+        names = [".".join(p.split(".")[-2:]) for p in params]  # "experts.gate_up_proj"
+        if isinstance(targets, str):
+            targets = "|".join([f"(?:{targets})"] + [rf".*\.{re.escape(n)}" for n in names])
+        else:
+            targets = [*(targets or []), *names]
     return LoraConfig(rank=cfg["r"], alpha=float(cfg["lora_alpha"]), dropout=float(cfg.get("lora_dropout") or 0.0),
                       target_modules=targets if isinstance(targets, str) else tuple(targets),
                       use_rslora=bool(cfg.get("use_rslora")))
@@ -66,11 +74,41 @@ def save_adapter(path, model, lora_config: LoraConfig, *, base_model: Optional[s
         raise ValueError("the model has no LoRA layers: nothing to export")
     from jqlora.lora.config import peft_target_modules
 
+    experts = sorted({".".join(n.split(".")[-3:]) for n, p in params.items() if p["lora_A"].ndim == 3})
+    linears = [n for n, p in params.items() if p["lora_A"].ndim == 2]
+    if experts:
+        targets = _moe_target_modules(linears, model)
+    else:
+        targets = peft_target_modules(lora_config.target_modules, list(params))
+    multimodal = getattr(model, "text_of_multimodal", None)  # set by the loader; else ask the folder
+    if multimodal if multimodal is not None else multimodal_base(base_model):  # PEFT's names inside it
+        params = {MULTIMODAL_TEXT_PREFIX + n.removeprefix("model."): p for n, p in params.items()}
+        targets = _text_model_regex(list(params))
     return interop.save_peft_adapter(
         path, params, rank=int(lora_config.rank), alpha=float(lora_config.alpha),
-        target_modules=peft_target_modules(lora_config.target_modules, list(params)),
+        target_modules=targets, target_parameters=experts or None,
         base_model_name_or_path=base_model, use_rslora=bool(lora_config.use_rslora),
         dropout=float(lora_config.dropout))
+
+
+# Leaf names PEFT 0.21 moves onto a transformers-5 MoE's expert stacks or router when they appear in
+# target_modules (peft.utils.transformers_weight_conversion, _MOE_TARGET_MODULE_MAPPING).
+_PEFT_MOE_REMAPPED = ("gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def _moe_target_modules(linears, model) -> list:
+    """target_modules of a mixture-of-experts adapter: the leaf names of its other LoRA modules
+    (attention). PEFT remaps the leaf names of `_PEFT_MOE_REMAPPED` onto the expert stacks of such
+    a model, so LoRA on a router or on a dense MLP layer (Qwen3-MoE's mlp_only_layers) cannot be
+    written in a form PEFT loads back as it is: refused."""
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
+    bad = [n for n in linears if n.rsplit(".", 1)[-1] in _PEFT_MOE_REMAPPED]
+    if bad:
+        raise AdapterMismatchError(
+            f"cannot export LoRA on {bad[0]!r} of a {model.config.model_type} model to PEFT: PEFT 0.21 maps "
+            f"{bad[0].rsplit('.', 1)[-1]!r} in target_modules onto the expert stacks; leave the router and dense "
+            "MLP layers out of target_modules")
+    return leaves
 
 
 def load_adapter(path):
@@ -78,7 +116,55 @@ def load_adapter(path):
     import interop
 
     params, cfg = interop.load_peft_adapter(path)
-    return lora_config_from_peft(cfg, f"{path}/adapter_config.json"), params, cfg
+    lora_cfg = lora_config_from_peft(cfg, f"{path}/adapter_config.json")
+    mapped = {_text_model_name(n): p for n, p in params.items()}
+    if list(mapped) != list(params):  # an adapter of a multimodal base: its text model's modules
+        params = mapped
+        if not all(lora_cfg.matches(n) for n in params):  # e.g. PEFT's `.*language_model.*` regex
+            lora_cfg = dataclasses.replace(lora_cfg, target_modules=tuple(sorted(params)))
+    return lora_cfg, params, cfg
+
+
+# A multimodal checkpoint's text model (Gemma 3's Gemma3ForConditionalGeneration): PEFT names its
+# modules `model.language_model.layers...` under transformers 5 (`language_model.model.layers...`
+# under transformers 4); jqlora's text model names them `model.layers...`.
+MULTIMODAL_TEXT_PREFIX = "model.language_model."
+_TEXT_NAME_RE = re.compile(r"^(?:model\.language_model|language_model\.model)\.(layers\..+)$")
+
+
+def multimodal_base(base_model) -> bool:
+    """Whether `base_model` is a local checkpoint folder whose config.json wraps its text model
+    (a `text_config` object: a multimodal model, whose text modules PEFT names with
+    `MULTIMODAL_TEXT_PREFIX`)."""
+    if base_model is None or not (Path(base_model) / "config.json").is_file():
+        return False
+    from interop.bnb_common import read_config
+
+    return isinstance(read_config(base_model, unwrap=False).get("text_config"), dict)
+
+
+def _text_model_name(name: str) -> str:
+    m = _TEXT_NAME_RE.match(name)
+    return "model." + m.group(1) if m else name
+
+
+def _text_model_regex(names) -> str:
+    """target_modules for the text model inside a multimodal model: one regex naming exactly these
+    modules (their layers grouped by projection), so that it reaches neither the vision tower's
+    projections of the same names nor layers without weights; it matches jqlora's text-only names
+    (`model.layers...`) too, so the adapter reads back."""
+    by_leaf: dict[str, set] = {}
+    for n in names:
+        m = re.fullmatch(r"model\.language_model\.layers\.(\d+)\.(.+)", n)
+        if m is None:
+            raise AdapterMismatchError(f"cannot name {n!r} for PEFT on a multimodal base (not a text-model layer)")
+        by_leaf.setdefault(m.group(2), set()).add(int(m.group(1)))
+    groups: dict[tuple, list] = {}
+    for leaf, layers in by_leaf.items():
+        groups.setdefault(tuple(sorted(layers)), []).append(re.escape(leaf))
+    alts = [rf"(?:{'|'.join(map(str, layers))})\.(?:{'|'.join(sorted(leaves))})"
+            for layers, leaves in sorted(groups.items())]
+    return rf"model(?:\.language_model)?\.layers\.(?:{'|'.join(alts)})"
 
 
 def attach_adapter(model, params: Mapping[str, Mapping[str, Any]], *, where: str = "adapter") -> dict:

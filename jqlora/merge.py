@@ -131,6 +131,17 @@ def _load_adapter(path) -> _Adapter:
                     lora_scale(cfg.rank, cfg.alpha, cfg.use_rslora))
 
 
+def _per_expert(params: dict, config: Mapping, adapter: _Adapter) -> tuple[dict, _Adapter]:
+    """A mixture-of-experts base and adapter in the per-expert layout transformers loads: fused
+    expert stacks split into per-expert float32 weights, expert LoRA stacks into per-expert pairs
+    (`interop.experts`), so each expert merges as a linear layer of its own."""
+    from interop.experts import per_expert_adapter, per_expert_params
+
+    mt = config.get("model_type")
+    return (per_expert_params(params, mt),
+            dataclasses.replace(adapter, params=per_expert_adapter(adapter.params, mt)))
+
+
 def _is_quantized(v) -> bool:
     return isinstance(v, (Weight4bit, Int8Weight))
 
@@ -157,6 +168,10 @@ def _check_fit(adapter: _Adapter, params: Mapping, base: Path) -> dict[str, str]
     linears = _linear_modules(params)
     plan = {}
     for m, pair in sorted(adapter.params.items()):
+        if m.startswith("model.") and m not in linears:  # a multimodal base: its text model's keys
+            alt = next((a for a in ("language_model." + m, "model.language_model." + m[6:]) if a in linears), None)
+            if alt is not None:
+                linears[m] = linears.pop(alt)
         if m not in linears:
             raise MergeError(f"{adapter.key(m)}: the base checkpoint {base} has no linear layer {m!r} "
                              f"(no tensor {m + '.weight'!r}); is it the adapter's base model?")
@@ -387,6 +402,7 @@ def merge_adapter(base, adapter, out, *, format: str = "bf16",  # noqa: A002 - t
     _check_args(out, format)
     adapter = _load_adapter(adapter)
     params, config = interop.load_bnb_checkpoint(base)
+    params, adapter = _per_expert(params, config, adapter)
     plan = _check_fit(adapter, params, base)
     quantized, requant = 0, None
     if format == "nf4":  # quantized and measured in memory: a refusal writes nothing
@@ -461,6 +477,7 @@ def merged_tensors(base, adapter, *, dtype: str = "float32") -> tuple[dict, dict
     base = Path(base)
     adapter = _load_adapter(adapter)
     params, config = interop.load_bnb_checkpoint(base)
+    params, adapter = _per_expert(params, config, adapter)
     plan = _check_fit(adapter, params, base)
     return config, _dense_tensors(params, plan, adapter, jnp.dtype(_DENSE_DTYPES[dtype])), adapter
 

@@ -38,10 +38,7 @@ from typing import Any, Mapping, Optional, Union
 
 from jqlora.errors import Error
 from jqlora.train.config import TrainConfig
-
-RUN_FILE = "jqlora_run.json"
-RUN_FORMAT = "jqlora-run"
-RUN_VERSION = 1
+from jqlora.train.run_record import RUN_FILE, RUN_FORMAT, RUN_VERSION, write_run_record
 
 
 class RunError(Error, ValueError):
@@ -349,6 +346,27 @@ class RunSettings:
         """Where the PEFT adapter is written: `adapter_out`, else <out_dir>/adapter."""
         return Path(self.output.adapter_out or self.out_dir / "adapter")
 
+    def absolute(self) -> "RunSettings":
+        """A copy whose file and folder settings are absolute paths (made from the working
+        directory), so that the record works from any directory (`--resume`, export): the
+        model, init_adapter, adapter_out, out_dir, and the TrainConfig's data_path,
+        eval_data_path, tokenizer_path and chat_template. A data or model setting that is not
+        an existing path (a Hugging Face id) stays as it is."""
+        def existing(p):
+            return os.path.abspath(p) if isinstance(p, (str, os.PathLike)) and os.path.exists(p) else p
+
+        def always(p):
+            return os.path.abspath(p) if isinstance(p, (str, os.PathLike)) else p
+
+        m, t = self.model, self.train
+        return dataclasses.replace(
+            self, model=dataclasses.replace(m, model=existing(m.model), init_adapter=existing(m.init_adapter)),
+            output=dataclasses.replace(self.output, adapter_out=always(self.output.adapter_out)),
+            train=dataclasses.replace(t, out_dir=always(t.out_dir), data_path=existing(t.data_path),
+                                      eval_data_path=existing(t.eval_data_path),
+                                      tokenizer_path=existing(t.tokenizer_path),
+                                      chat_template=existing(t.chat_template)))
+
     # ---------------------------------------------------------------------------- layering
     @classmethod
     def layered(cls, record: Optional["RunSettings"] = None, file: Optional[Mapping] = None,
@@ -492,18 +510,10 @@ class RunSettings:
         Raises:
           OSError: the write failed; its filename is the record's path.
         """
-        from interop.atomic_io import write_json_atomic
-
         rec = self.to_record()
         if skipped_batches is not None:
             rec["skipped_batches"] = skipped_batches
-        path = self.out_dir / RUN_FILE
-        try:
-            return write_json_atomic(path, rec)
-        except OSError as e:
-            if e.filename is None and e.errno is not None:  # e.g. ENOSPC from a write(): say which file
-                raise OSError(e.errno, e.strerror, str(path)) from e
-            raise
+        return write_run_record(self.out_dir, rec)
 
 
 def _check_resume(merged: dict, record: RunSettings, stored: dict, run_dir) -> None:

@@ -39,6 +39,15 @@ from typing import Callable
 # with absmax the uint8 (N,K//bs) codes of double-quantized scales, and de-nests them itself.
 PLATFORMS = ("gpu", "sm90")
 OPS = ("matmul_4bit", "matmul_4bit_t", "dequantize_4bit", "matmul_int8", "matmul_int8_t", "llm_int8")
+# Grouped (mixture-of-experts) ops, rows of x sorted by expert, group_sizes (E,) int32 summing to
+# at most M (rows past the sum give zeros); listed by `grouped_variants()`, not `all_variants()`:
+#   "grouped_matmul":        fn(x (M,K), group_sizes, w (E,N,K) in x's dtype, *, out_dtype,
+#                               interpret) -> (M,N)                    y[rows of e] = x @ w[e].T
+#   "grouped_matmul_t":      fn(dy (M,N), group_sizes, w (E,N,K), *, out_dtype, interpret) -> (M,K)
+#   "grouped_matmul_4bit":   fn(x, group_sizes, packed (E,N,K//2) u8, absmax (E,N,K//bs) f32,
+#                               code (16,) f32, *, blocksize, out_dtype, interpret) -> (M,N)
+#   "grouped_matmul_4bit_t": the same operands with dy (M,N) -> (M,K)
+GROUPED_OPS = ("grouped_matmul", "grouped_matmul_t", "grouped_matmul_4bit", "grouped_matmul_4bit_t")
 # What a variant computes, by the weight it effectively multiplies (docs/numerics.md); products
 # are accumulated in fp32 and the output rounded once to out_dtype in every class:
 NUMERICS = (
@@ -75,8 +84,8 @@ class Variant:
     default_config: Callable[[int, int, int, int], object] | None = None
 
     def __post_init__(self):
-        if self.op not in OPS:
-            raise ValueError(f"variant {self.name!r}: unknown op {self.op!r}; expected one of {OPS}")
+        if self.op not in OPS + GROUPED_OPS:
+            raise ValueError(f"variant {self.name!r}: unknown op {self.op!r}; expected one of {OPS + GROUPED_OPS}")
         if self.platform not in PLATFORMS:
             raise ValueError(f"variant {self.name!r}: unknown platform {self.platform!r}; "
                              f"expected one of {PLATFORMS}")
@@ -113,13 +122,29 @@ _MODULES = (
     "pallas_kernels.triton.int8_weight_only_gemv",
     "pallas_kernels.triton.llm_int8_tiled",
 )
+# The grouped (mixture-of-experts) kernels, ops GROUPED_OPS; tests/kernels/test_grouped_conformance.py
+# runs each against its reference.
+_GROUPED_MODULES = (
+    "pallas_kernels.mosaic.grouped_mgpu",
+    "pallas_kernels.triton.grouped_dot",
+)
 
 
-def _by_module() -> tuple[tuple[str, tuple[Variant, ...]], ...]:
+def _by_module(modules=_MODULES) -> tuple[tuple[str, tuple[Variant, ...]], ...]:
     """(module, its VARIANTS) for every registered module, in registry order."""
     import importlib
 
-    return tuple((mod, tuple(importlib.import_module(mod).VARIANTS)) for mod in _MODULES)
+    return tuple((mod, tuple(importlib.import_module(mod).VARIANTS)) for mod in modules)
+
+
+def grouped_variants() -> tuple[Variant, ...]:
+    """Every registered grouped (mixture-of-experts) variant, in a stable order."""
+    out = tuple(v for _, variants in _by_module(_GROUPED_MODULES) for v in variants)
+    names = [v.name for v in out] + [v.name for v in all_variants()]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"duplicate kernel variant names: {sorted(dup)}")
+    return out
 
 
 def all_variants() -> tuple[Variant, ...]:
@@ -135,7 +160,7 @@ def all_variants() -> tuple[Variant, ...]:
 def module_of(name: str) -> str:
     """The module that declares variant `name` (e.g. "pallas_kernels.triton.matmul_4bit");
     KeyError naming the known variants otherwise."""
-    for mod, variants in _by_module():
+    for mod, variants in _by_module(_MODULES + _GROUPED_MODULES):
         if any(v.name == name for v in variants):
             return mod
     get(name)  # raises the KeyError
@@ -170,8 +195,10 @@ def defaults() -> tuple[Variant, ...]:
 
 
 def get(name: str) -> Variant:
-    """The variant called `name`; KeyError naming the known variants otherwise."""
-    for v in all_variants():
+    """The variant called `name` (grouped variants included); KeyError naming the known
+    variants otherwise."""
+    known = all_variants() + grouped_variants()
+    for v in known:
         if v.name == name:
             return v
-    raise KeyError(f"no kernel variant named {name!r}; known: {[v.name for v in all_variants()]}")
+    raise KeyError(f"no kernel variant named {name!r}; known: {[v.name for v in known]}")

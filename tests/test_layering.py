@@ -19,7 +19,7 @@ LIBRARY = ("jqlora", "interop", "pallas_kernels")
 # jqlora's layers, lowest first: a unit (the first name under jqlora) imports only units of its own
 # layer or a lower one. `jqlora.cli` is above everything, and nothing in the library imports it.
 LAYERS = (
-    ("errors", "_util"),
+    ("errors", "_util", "hub"),
     ("quant",),
     ("ops",),
     ("lora",),

@@ -1,5 +1,5 @@
 """One reader per JSON file format, read from the source with `ast`: every ``json.load``/``json.loads``
-call in the library, and every call of `interop.json_io.read_json_object` (the helper that reads a JSON
+call (or ``json.JSONDecoder``) in the library, and every call of `interop.json_io.read_json_object` (the helper that reads a JSON
 object from a file or raises a named error), stands in a function of :data:`JSON_PARSERS` or
 :data:`FILE_READERS`. A second reader of ``config.json``, ``state.json``, ``tokenizer_config.json``
 or ``adapter_config.json`` written beside the one that exists fails here. Each check is shown to
@@ -21,7 +21,9 @@ JSON_PARSERS = {
     ("interop/json_io.py", "read_json_object"): "a JSON object in a file (the helper below)",
     ("interop/safetensors_io.py", "_parse_header"): "a safetensors file's header",
     ("interop/bnb_load.py", "_parse_quant_state"): "a bitsandbytes quant_state tensor's bytes",
-    ("jqlora/train/examples.py", "load_jsonl"): "a JSONL data file's lines",
+    ("jqlora/train/sources.py", "_jsonl_rows"): "a JSONL data file's lines",
+    ("jqlora/train/sources.py", "_json_array_rows"): "a JSON array data file's items (json.JSONDecoder)",
+    ("jqlora/train/sources.py", "json_cell"): "a data cell holding JSON (a conversation in a CSV/Parquet column)",
     ("jqlora/runs.py", "load_config_file"): "a run's config file (JSON or TOML)",
 }
 # (file, function) -> the file it reads through read_json_object: the one reader of that file.
@@ -59,7 +61,7 @@ def calls(sources: dict[str, str], match) -> dict[tuple[str, str], list[int]]:
 
 
 def is_json_parse(func) -> bool:
-    return (isinstance(func, ast.Attribute) and func.attr in ("load", "loads")
+    return (isinstance(func, ast.Attribute) and func.attr in ("load", "loads", "JSONDecoder")
             and isinstance(func.value, ast.Name) and func.value.id == "json")
 
 

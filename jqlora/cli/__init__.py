@@ -23,14 +23,19 @@ JQLORA_COMPILE_CACHE=0 or --no-compile-cache turns it off), so a second run of t
 skips compilation.
 
 Exit status: 0 ok, 1 internal error (traceback), 2 bad input or failed check (one-line message),
-141 standard output closed early (`jqlora inspect ... --json | head -1`; nothing printed).
+130 interrupted (Ctrl-C; a compilation under way finishes first: XLA cannot stop it), 141
+standard output closed early (`jqlora inspect ... --json | head -1`; nothing printed).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
+import socket
 import sys
+import threading
 import traceback
 
 from jqlora.cli._common import HelpFormatter, expected_errors, message
@@ -106,8 +111,86 @@ def _enable_compile_cache(disabled: bool) -> None:
         print(f"jqlora: warning: {message(e)}; running without the compilation cache", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _interrupt_notice(command: str):
+    """Say at once that Ctrl-C was seen. Python raises KeyboardInterrupt only when the main
+    thread runs Python again, and an XLA compilation (or any long native call) holds it until it
+    returns; a thread woken by the signal (`signal.set_wakeup_fd`) prints that the command stops
+    once the running native work ends. Only in the main thread of a process (not under a test
+    runner's own handler)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    try:
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except ValueError:  # not the main thread of the main interpreter
+        reader.close(), writer.close()
+        yield
+        return
+
+    def watch():
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGINT in data:
+                print(f"jqlora {command}: interrupt received; stopping once the running step or "
+                      "compilation returns (XLA cannot stop it midway)", file=sys.stderr, flush=True)
+                return
+
+    unraisable = sys.unraisablehook
+
+    def raise_again(u):
+        # a KeyboardInterrupt that lands where Python ignores exceptions (a finalizer, a callback:
+        # "Exception ignored in ...") would let the command run on: signal it again, so that it is
+        # raised where the main thread next runs Python
+        if isinstance(u.exc_value, KeyboardInterrupt):
+            main_id = threading.main_thread().ident
+            threading.Timer(0.01, signal.pthread_kill, (main_id, signal.SIGINT)).start()
+            return
+        unraisable(u)
+
+    watcher = threading.Thread(target=watch, name="jqlora-interrupt-notice", daemon=True)
+    watcher.start()
+    sys.unraisablehook = raise_again
+    try:
+        yield
+    finally:
+        sys.unraisablehook = unraisable
+        signal.set_wakeup_fd(previous)
+        writer.close()
+        reader.close()
+
+
+def _exit_interrupted(real_process: bool) -> int:
+    """Status 130 for an interrupted command. In a process of its own the CLI ends without the
+    interpreter's shutdown: an XLA thread still running (a compilation, a cache write) can crash
+    it (a segfault instead of status 130). Every file was closed or rolled back on the way here."""
+    if real_process:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(130)
+    return 130
+
+
 def main(argv=None) -> int:
     """Run the CLI; returns the exit status (the console script passes it to sys.exit)."""
+    real_process = argv is None
+    try:
+        return _main(argv, real_process)
+    except KeyboardInterrupt:  # before the command started (parsing, imports)
+        print("jqlora: interrupted", file=sys.stderr)
+        return _exit_interrupted(real_process)
+
+
+def _main(argv, real_process: bool) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(only=_command_in(argv))
     try:
@@ -127,7 +210,8 @@ def main(argv=None) -> int:
     raise_host_offload_limit()  # before the GPU client starts: offloaded activations past 64 GB
     _enable_compile_cache(disabled=args.no_compile_cache)
     try:
-        rc = args._cmd.run(args)
+        with _interrupt_notice(args.command):
+            rc = args._cmd.run(args)
         sys.stdout.flush()  # a reader that went away (`| head -1`) shows up here for buffered output
         return int(rc or 0)
     except BrokenPipeError:
@@ -141,7 +225,7 @@ def main(argv=None) -> int:
         return 141
     except KeyboardInterrupt:
         print(f"jqlora {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _exit_interrupted(real_process)
     except expected_errors() as e:
         print(f"jqlora {args.command}: error: {message(e)}", file=sys.stderr)
         return 2

@@ -9,6 +9,12 @@ Nothing heavy is imported here: `jqlora --help` must not pay for torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
+import re
+import sys
+from pathlib import Path
 
 from jqlora.errors import Error
 
@@ -44,8 +50,63 @@ def disk_error(e: OSError) -> CLIError | None:
 
 
 def message(e: BaseException) -> str:
-    """The one-line message of an expected error."""
-    return str(e) or type(e).__name__
+    """The one-line message of an expected error, in the command line's words (`cli_wording`)."""
+    return cli_wording(str(e) or type(e).__name__)
+
+
+# train()'s arguments that `jqlora train` takes as flags (its TrainConfig fields are flags by name)
+_ARGUMENT_FLAGS = {"data": "--data-path", "eval_data": "--eval-data-path", "tokenizer": "--tokenizer-path",
+                   "model_path": "--model"}
+
+
+def cli_wording(text: str) -> str:
+    """A library message as a command-line user reads it: `TrainConfig.seq_len` and `seq_len=...`
+    become `--seq-len`, `resume=True` becomes `--resume`, `pass data=... or set
+    TrainConfig.data_path` becomes `pass --data-path`, `another out_dir` `another --out-dir`.
+    Only jqlora's own setting names change; other text (a path, a torch keyword) stays."""
+    from jqlora.runs import flag_name, train_field_types
+
+    fields = train_field_types()
+
+    def flag(name: str) -> str | None:
+        return flag_name(name) if name in fields else _ARGUMENT_FLAGS.get(name)
+
+    text = re.sub(r"\bTrainConfig\.(\w+)", lambda m: flag(m[1]) or m[0], text)
+    text = re.sub(r"(?<![\w./-])(\w+)=(?:True\b|\.\.\.)", lambda m: flag(m[1]) or m[0], text)
+    text = re.sub(r"pass (--[\w-]+) or set \1\b", r"pass \1", text)
+    return re.sub(r"\banother out_dir\b", "another --out-dir", text)
+
+
+def model_dir(name: str | os.PathLike, flag: str = "--model") -> Path:
+    """The model folder a command's model argument names: a folder, a Hugging Face cache repo
+    folder, or a model id `org/name[@revision]` (`jqlora.hub.resolve_model`: the cache, else a
+    download). Every command resolves its model arguments here.
+
+    Raises:
+      jqlora.hub.ModelNotFoundError: neither a folder nor an id that can be had (the message
+        gives the download command)."""
+    from jqlora.hub import resolve_model
+
+    return resolve_model(name, what=flag)
+
+
+@contextlib.contextmanager
+def echo_log(name: str):
+    """Print logger `name`'s INFO records on stderr, one line each, while the block runs (the
+    library logs choices such as `remat: nothing_saveable (predicted ...)`)."""
+    logger = logging.getLogger(name)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setLevel(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

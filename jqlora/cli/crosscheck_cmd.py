@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from jqlora.cli._common import CLIError
+from jqlora.cli._common import CLIError, model_dir
 
 HELP = "compare JAX with transformers+bitsandbytes(+PEFT) in torch: per-layer and logits errors"
 DESCRIPTION = """\
@@ -44,7 +44,7 @@ See docs/numerics.md ("Cross-checking against torch") and jqlora/crosscheck/."""
 
 
 def add_arguments(p):
-    p.add_argument("path", help="checkpoint directory (bitsandbytes 4/8-bit or plain)")
+    p.add_argument("path", help="checkpoint directory (bitsandbytes 4/8-bit or plain), or a Hugging Face model id")
     p.add_argument("--adapter", help="PEFT adapter directory, applied on both sides")
     p.add_argument("--tokens", type=int, default=16, help="tokens per row")
     p.add_argument("--batch", type=int, default=2, help="rows")
@@ -70,10 +70,11 @@ def run(args) -> int:
         raise CLIError("--tokens and --batch must be >= 1")
     if not args.bf16_ratio > 0:
         raise CLIError("--bf16-ratio must be > 0")
+    path = model_dir(args.path, "PATH")
     quiet_third_party()
     from jqlora.crosscheck import crosscheck
 
-    res = crosscheck(args.path, adapter=args.adapter, tokens=args.tokens, batch=args.batch, seed=args.seed,
+    res = crosscheck(str(path), adapter=args.adapter, tokens=args.tokens, batch=args.batch, seed=args.seed,
                      dtype=args.dtype, tolerance=args.tolerance, bnb_cpu_kernel=args.bnb_cpu_kernel,
                      int8_numerics=args.int8_numerics, perturb=args.perturb,
                      bf16_ratio=args.bf16_ratio)

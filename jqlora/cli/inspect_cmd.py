@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from jqlora._util import fmt_bytes
+from jqlora.cli._common import model_dir
 
 HELP = "per-tensor format, shapes and bytes of a bitsandbytes checkpoint, with totals"
 DESCRIPTION = """\
@@ -28,7 +29,8 @@ checkpoint. Exit status 2 with a message naming the file and tensor when it is m
 
 
 def add_arguments(p):
-    p.add_argument("path", help="checkpoint directory (or a single .safetensors file with config.json beside it)")
+    p.add_argument("path", help="checkpoint directory (or a single .safetensors file with config.json beside it), "
+                                "or a Hugging Face model id org/name[@revision]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--limit", type=int, default=None,
                    help="show at most this many rows in the table (totals always cover everything)")
@@ -66,7 +68,10 @@ def _table(info: dict, limit=None) -> str:
 def run(args) -> int:
     from interop.inspect import inspect_checkpoint
 
-    info = inspect_checkpoint(args.path)
+    from pathlib import Path
+
+    path = args.path if Path(args.path).is_file() else str(model_dir(args.path, "PATH"))
+    info = inspect_checkpoint(path)
     if args.json:
         print(json.dumps(info, indent=1))
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from jqlora.cli._common import CLIError, disk_error
+from jqlora.cli._common import CLIError, disk_error, model_dir
 
 FORMATS = ("bf16", "float32", "nf4")  # jqlora.merge.FORMATS, repeated so --help imports no jax
 DEFAULT_MIN_KEPT = 0.5  # jqlora.merge.DEFAULT_MIN_KEPT, likewise
@@ -51,7 +51,8 @@ def add_arguments(p):
     p.add_argument("out", help="folder to write (must not exist)")
     p.add_argument("--format", choices=FORMATS, default="bf16", help="what the merged weights are stored as")
     p.add_argument("--adapter", default=None, metavar="DIR", help="merge this PEFT adapter into SOURCE (a base model)")
-    p.add_argument("--model", default=None, help="base checkpoint of a run (None: the one in jqlora_run.json)")
+    p.add_argument("--model", default=None, help="base checkpoint of a run, a folder or a Hugging Face model id "
+                                                 "(None: the one in jqlora_run.json)")
     p.add_argument("--step", type=int, default=None, help="merge this step's checkpoint of a run (None: the newest)")
     p.add_argument("--max-shard-gb", type=float, default=5.0,
                    help="split the weights into shards of at most this many GB (10^9 bytes)")
@@ -70,6 +71,8 @@ def run(args) -> int:
         raise CLIError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     if not 0 <= args.min_kept <= 1:
         raise CLIError(f"--min-kept is a share between 0 and 1 (0.5 = 50%), got {args.min_kept:g}")
+    model = None if args.model is None else str(model_dir(args.model))
+    source = str(model_dir(args.source, "SOURCE")) if args.adapter is not None else args.source
     from jqlora._util import quiet_third_party
 
     quiet_third_party()
@@ -79,10 +82,10 @@ def run(args) -> int:
     kw = dict(format=args.format, max_shard_bytes=shard, min_kept=args.min_kept, force=args.force)
     try:
         if args.adapter is not None:
-            r = merge.merge_adapter(args.source, args.adapter, args.out, **kw)
+            r = merge.merge_adapter(source, args.adapter, args.out, **kw)
             what = f"adapter {r['adapter']}"
         else:
-            r = merge.merge_run(args.source, args.out, step=args.step, model_path=args.model, **kw)
+            r = merge.merge_run(source, args.out, step=args.step, model_path=model, **kw)
             what = f"step {r['step']} ({r['checkpoint']})"
     except merge.RequantizationError as e:
         raise CLIError(f"{_kept_line(e.report, 'would keep')}, below --min-kept {args.min_kept:.0%}: "

@@ -5,6 +5,8 @@ import json
 import sys
 import types
 
+from jqlora.cli._common import model_dir
+
 # ============================================================================== export-peft
 EXPORT_DESCRIPTION = """\
 Turn a jqlora training checkpoint into a PEFT LoRA adapter directory (adapter_config.json +
@@ -22,13 +24,15 @@ def _export_args(p):
     p.add_argument("source", help="training out_dir, its checkpoints/ dir, or a step_XXXXXXXX dir")
     p.add_argument("out", help="adapter directory to write")
     p.add_argument("--step", type=int, default=None, help="export this step's checkpoint (default: newest)")
-    p.add_argument("--model", default=None, help="base checkpoint (default: the one in jqlora_run.json)")
+    p.add_argument("--model", default=None, help="base checkpoint, a folder or a Hugging Face model id (default: the "
+                                                 "one in jqlora_run.json)")
 
 
 def _export_run(args) -> int:
     from jqlora.runs import export_adapter
 
-    r = export_adapter(args.source, args.out, step=args.step, model_path=args.model)
+    model = None if args.model is None else str(model_dir(args.model))
+    r = export_adapter(args.source, args.out, step=args.step, model_path=model)
     print(f"exported step {r['step']} ({r['checkpoint']}): {r['modules']} LoRA modules, r={r['rank']}, "
           f"alpha={r['alpha']:g} -> {r['adapter']}")
     return 0
@@ -67,7 +71,8 @@ def _import_args(p):
 def _import_run(args) -> int:
     from jqlora.adapters import import_adapter
 
-    r = import_adapter(args.adapter, args.model, tokens=args.tokens, dtype=args.dtype)
+    model = None if args.model is None else str(model_dir(args.model))
+    r = import_adapter(args.adapter, model, tokens=args.tokens, dtype=args.dtype)
     if args.json:
         print(json.dumps(r, indent=1))
         return 0

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from jqlora._util import ATTENTION_AUTO_HELP, ATTENTION_CHOICES, BACKENDS, DTYPES, QUANTIZE_FORMATS
-from jqlora.cli._common import CLIError, disk_error
+from jqlora.cli._common import CLIError, disk_error, echo_log, model_dir
 from jqlora.runs import (CLI_DEFAULTS, LORA_KEYS, MODEL_KEYS, OUTPUT_KEYS, LoraSettings, RunSettings, flag_name,
                          is_switch, train_field_types, type_name)
-from jqlora.train.config import LR_SCHEDULES, TrainConfig
+from jqlora.train.config import LR_SCHEDULES, OBJECTIVES, TrainConfig
+from jqlora.train.objectives import DPO_LOSSES, GRPO_LOSSES, SCALE_REWARDS
 from jqlora.train.lock import lock_run_dir
 
 HELP = "LoRA fine-tuning of a (bitsandbytes) checkpoint; writes a PEFT adapter at the end"
@@ -43,13 +44,20 @@ Every TrainConfig field also has a flag (--seq-len, --batch-size, --lr, ...; `no
 optional one to None). The tokenizer defaults to the model directory's tokenizer.json.
 --epochs N sets the steps from the data (packed rows / (batch_size * grad_accum), rounded up,
 times N) instead of --steps; --warmup-ratio sets the warmup as a fraction of the steps instead
-of --warmup. Outputs in out_dir: loss.csv (step, loss, lr, tokens_per_s, grad_norm), eval.csv
+of --warmup. Outputs in out_dir: loss.csv (step, loss, lr, tokens_per_s, grad_norm: a row at step
+1, every --log-every steps and the last, its loss the mean since the row before), eval.csv
 (step, eval_loss, perplexity), loss.png, tensorboard/ (event files; --no-tensorboard: none),
 checkpoints/step_*, jqlora_run.json (what export-peft needs) and the adapter. --resume continues
 from the newest checkpoint with the stored settings (raise --steps or --epochs to train longer);
-model and LoRA settings must not change."""
+model and LoRA settings must not change.
 
-_CHOICES = {"lr_schedule": LR_SCHEDULES}  # TrainConfig fields whose flag takes one of a few names
+--objective dpo trains on preference pairs ({"prompt", "chosen", "rejected"} per row), --objective
+grpo on prompts with reward functions (--reward module:function or file.py:function, repeatable);
+docs/training.md, "Preference and RL training", has their options and what they log."""
+
+_CHOICES = {"lr_schedule": LR_SCHEDULES,  # TrainConfig fields whose flag takes one of a few names
+            "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES, "grpo_loss": GRPO_LOSSES,
+            "scale_rewards": SCALE_REWARDS}
 
 _FIELD_HELP = {
     "data_path": "JSONL training data", "tokenizer_path": "tokenizer.json or its directory (default: the model's)",
@@ -65,7 +73,15 @@ _FIELD_HELP = {
     "data_format": "auto (per line, from its keys), messages, alpaca, text or prompt_completion",
     "chat_template": "a Jinja file replacing the tokenizer folder's chat template",
     "resume": "continue from the newest checkpoint in out_dir", "progress": "progress bar (default: on a terminal; plain lines in a log file)",
-    "remat": "rematerialize decoder layers: auto (chosen by memory), true, false or a policy name", "grad_clip": "global-norm clip (none: off)",
+    "remat": "rematerialize decoder layers: auto (by the memory there is: the GPU's, or this process's RAM limit on CPU; JQLORA_MEMORY_GB=N overrides), true, false or a policy name", "grad_clip": "global-norm clip (none: off)",
+    "objective": "sft (supervised), dpo (preference pairs) or grpo (prompts + reward functions)",
+    "dpo_beta": "DPO beta", "dpo_loss": "DPO loss (TRL's definitions)",
+    "precompute_ref": "DPO: reference log-probs of the whole set once, before step 1",
+    "reward": "GRPO reward function module:function or file.py:function (repeat for several)",
+    "reward_weights": "GRPO: comma-separated weights, one per --reward",
+    "num_generations": "GRPO: completions per prompt", "max_completion_length": "GRPO: new tokens at most",
+    "grpo_beta": "GRPO: KL weight (0: no reference pass)", "epsilon": "GRPO: ratio clip",
+    "grpo_loss": "GRPO loss normalisation (TRL's)", "scale_rewards": "GRPO: advantages over the std of",
 }
 
 
@@ -74,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser):
     lora = LoraSettings()
     g = p.add_argument_group("model and LoRA")
     g.add_argument("--config", help="JSON or TOML config file (see above)")
-    g.add_argument("--model", default=S, help="checkpoint directory (bitsandbytes 4/8-bit or plain)")
+    g.add_argument("--model", default=S, help="checkpoint directory (bitsandbytes 4/8-bit or plain), or a Hugging "
+                                              "Face model id org/name[@revision] (the cache, else a download)")
     g.add_argument("--compute-dtype", dest="compute_dtype", default=S, choices=DTYPES,
                    help="dtype of every matmul (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--backend", default=S, choices=BACKENDS,
@@ -108,6 +125,9 @@ def add_arguments(p: argparse.ArgumentParser):
         elif is_switch(hint):
             t.add_argument(flag, dest="t_" + name, action=argparse.BooleanOptionalAction, default=S,
                            help=f"{what} (default {dflt})".strip())
+        elif name == "reward":  # repeatable: one reward function per flag
+            t.add_argument(flag, dest="t_" + name, default=S, action="append", metavar="MODULE:FUNCTION",
+                           help=what)
         elif name in _CHOICES:
             t.add_argument(flag, dest="t_" + name, default=S, choices=_CHOICES[name],
                            help=f"{what} (default {dflt})")
@@ -135,7 +155,10 @@ def run(args) -> int:
 
 
 def _run(args, held: contextlib.ExitStack) -> int:
-    s = RunSettings.resolve(args.config, flags_given(args))
+    flags = flags_given(args)
+    if flags.get("model"):  # a Hugging Face id resolves to its folder, as the run record keeps it
+        flags["model"] = str(model_dir(flags["model"]))
+    s = RunSettings.resolve(args.config, flags)
     if not s.model.model:
         raise CLIError("no model: pass --model PATH or set `model` in the config file")
     from jqlora._util import default_compute_dtype, jnp_dtype, quiet_third_party, resolve_attention
@@ -146,9 +169,7 @@ def _run(args, held: contextlib.ExitStack) -> int:
         config.validate()
     except (TypeError, ValueError) as e:
         raise CLIError(f"invalid training settings: {e}") from None
-    model_path = Path(s.model.model)
-    if not model_path.is_dir():
-        raise CLIError(f"{model_path}: no such checkpoint directory")
+    model_path = model_dir(s.model.model)
     if config.data_path is None:
         raise CLIError("no training data: pass --data-path FILE.jsonl or set data_path in the config file")
     if config.tokenizer_path is None:
@@ -156,7 +177,10 @@ def _run(args, held: contextlib.ExitStack) -> int:
             config.tokenizer_path = str(model_path)
         else:
             raise CLIError(f"no tokenizer: {model_path} has no tokenizer.json; pass --tokenizer-path")
-    from jqlora.train.data import check_training_data
+    if config.objective == "sft":
+        from jqlora.train.data import check_training_data
+    else:  # pairs (DPO) or prompts and reward functions (GRPO)
+        from jqlora.train.objective_loop import check_objective_data as check_training_data
 
     data = check_training_data(config, model_path)  # a bad line fails here, before the model loads
     print(f"data: {data['train']['examples']} examples "
@@ -180,10 +204,11 @@ def _run(args, held: contextlib.ExitStack) -> int:
         lora_cfg = dataclasses.replace(init_cfg, dropout=float(s.lora.dropout or 0.0))
     else:
         lora_cfg = s.lora.to_config()
-    # what the record keeps: the resolved model path and dtype, the LoRA built, a copy of the config
+    # what the record keeps: the resolved model path and dtype, the LoRA built, a copy of the config,
+    # every path absolute (a resume or an export may run from another directory)
     run_settings = dataclasses.replace(
         s, model=dataclasses.replace(s.model, model=str(model_path.resolve()), compute_dtype=compute),
-        lora=LoraSettings.from_config(lora_cfg), train=dataclasses.replace(config))
+        lora=LoraSettings.from_config(lora_cfg), train=dataclasses.replace(config)).absolute()
     adapter_out = run_settings.adapter_dir
     if args.dry_run:
         print(json.dumps(run_settings.to_record(), indent=2))
@@ -191,7 +216,10 @@ def _run(args, held: contextlib.ExitStack) -> int:
     # one writer per out_dir; the run record is written by train() through on_ready, once the
     # data and the checkpoint to resume from passed their checks: a refused run changes nothing
     held.enter_context(lock_run_dir(run_settings.out_dir))
-    attention, why = resolve_attention(s.model.attention, compute)
+    from jqlora.models.config import attn_softcap_of
+
+    attention, why = resolve_attention(s.model.attention, compute,
+                                       soft_capped=attn_softcap_of(data["model_config"]) is not None)
     print(f"attention: {attention} ({why})", file=sys.stderr)
     model = models.load_causal_lm(model_path, lora=lora_cfg, compute_dtype=jnp_dtype(compute),
                                   quantize=s.model.quantize, backend=s.model.backend,
@@ -209,7 +237,9 @@ def _run(args, held: contextlib.ExitStack) -> int:
         record[0].write_record()
 
     try:
-        res = train(model, config, data=data["batches"], eval_data=data["eval_batches"], lock=False, on_ready=ready)
+        with echo_log("jqlora.models"):  # remat="auto"'s choice, one line per compiled shape
+            res = train(model, config, data=data["batches"], eval_data=data["eval_batches"], lock=False,
+                        on_ready=ready, tokenizer=data.get("tokenizer"))
     except NonFiniteLossError as e:
         raise CLIError(str(e)) from None
     try:
@@ -227,6 +257,9 @@ def _run(args, held: contextlib.ExitStack) -> int:
           if res.steps else f"nothing to train: already at step {res.step} of {res.total_steps}")
     if res.losses:
         print(f"loss: first {res.losses[0]:.4f}, last {res.losses[-1]:.4f}")
+    for key in ("reward", "rewards/accuracies"):  # GRPO, DPO
+        if res.metrics and key in res.metrics[0]:
+            print(f"{key}: first {res.metrics[0][key]:.4f}, last {res.metrics[-1][key]:.4f}")
     if res.eval_losses:
         print(f"eval loss: {res.eval_losses[-1][1]:.4f} (step {res.eval_losses[-1][0]})")
     print(f"loss curve: {res.csv_path}" + (f", {res.png_path}" if res.png_path else ""))

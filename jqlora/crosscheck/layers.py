@@ -426,8 +426,10 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
     if jax_model is None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            # mixture-of-experts weights as stored: transformers + bitsandbytes hold dense experts dense
             jax_model, report, _ = load_model_with_adapter(path, adapter, compute_dtype=jnp.dtype(dtype),
-                                                           int8_numerics=int8_numerics, backend=backend)
+                                                           int8_numerics=int8_numerics, backend=backend,
+                                                           quantize_experts="none")
         for w in caught:
             # transformers builds its layers from that list, so the torch side cannot run this folder
             if "llm_int8_skip_modules" in str(w.message):

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jqlora.errors import SettingError
-from jqlora.lora.config import LoraConfig
+from jqlora.lora.config import ALL_LINEAR, LoraConfig
+from jqlora.lora.experts import QLoRAExperts, Router, peft_expert_lora_a_init
 from jqlora.lora.linear import QLoRALinear, peft_lora_a_init
 from jqlora.lora.stacked import StackedLayers, stack_modules, stacked_view
 
@@ -26,7 +27,7 @@ class _Slot(NamedTuple):
     """A linear layer by name: `module` itself (index None) or entry `index` of a stacked one,
     which lives in `stack` of `container`."""
     name: str
-    module: QLoRALinear
+    module: "QLoRALinear | QLoRAExperts"
     index: Optional[int]
     stack: object = None
     container: Optional[StackedLayers] = None
@@ -41,12 +42,15 @@ def _slots(model) -> Iterator[_Slot]:
         path = tuple(path)
         if isinstance(node, StackedLayers):
             for stack in node.stacks:
-                inner = [(tuple(p), n) for p, n in nnx.iter_graph(stack.layer) if isinstance(n, QLoRALinear)]
+                inner = [(tuple(p), n) for p, n in nnx.iter_graph(stack.layer) if isinstance(n, _ADAPTABLE)]
                 for j in range(stack.size):
                     for rel, lin in inner:
                         yield _Slot(_dotted(path + (stack.start + j,) + rel), lin, j, stack, node)
-        elif isinstance(node, QLoRALinear) and not any(path[:len(c)] == c for c in containers):
+        elif isinstance(node, _ADAPTABLE) and not any(path[:len(c)] == c for c in containers):
             yield _Slot(_dotted(path), node, None)
+
+
+_ADAPTABLE = (QLoRALinear, QLoRAExperts)  # the modules LoRA attaches to
 
 
 def linear_names(model) -> list[str]:
@@ -63,8 +67,44 @@ def named_linears(model) -> Iterator[tuple[str, QLoRALinear]]:
         yield s.name, (s.module if s.index is None else stacked_view(s.module, s.index))
 
 
-def _draw(config: LoraConfig, module: QLoRALinear, rngs: nnx.Rngs):
-    """One layer's A and dropout, drawn from `rngs` exactly as `QLoRALinear.enable_lora` draws them."""
+_DENSE_MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def _targeted(config: LoraConfig, slot: _Slot, moe: bool = False) -> bool:
+    """Whether `config` puts LoRA on `slot`: its name matches target_modules, except that in a
+    mixture-of-experts model (`moe`) "all-linear" means attention and experts (a router is taken
+    only when named, and the dense MLP layers some MoE models keep are left out: PEFT 0.21 moves
+    their names onto the experts, so it could not load them back), and that the fused expert stack
+    ``experts.gate_up_proj`` is also taken by "gate_proj" or "up_proj" (the projections it holds)."""
+    if moe and config.target_modules == ALL_LINEAR and (
+            isinstance(slot.module, Router)
+            or (isinstance(slot.module, QLoRALinear) and slot.name.rsplit(".", 1)[-1] in _DENSE_MLP)):
+        return False
+    if config.matches(slot.name):
+        return True
+    if isinstance(slot.module, QLoRAExperts) and slot.name.endswith(".gate_up_proj") \
+            and not isinstance(config.target_modules, str):
+        return any(t in ("gate_proj", "up_proj") for t in config.target_modules)
+    return False
+
+
+def lora_shapes(module) -> dict:
+    """{"lora_A": shape, "lora_B": shape} of a layer's LoRA factors (per layer)."""
+    if isinstance(module, QLoRAExperts):
+        return module.lora_shapes()
+    return {"lora_A": (module.rank, module.in_features), "lora_B": (module.out_features, module.rank)}
+
+
+def _draw(config: LoraConfig, module, rngs: nnx.Rngs):
+    """One layer's A and dropout, drawn from `rngs` exactly as `QLoRALinear.enable_lora` draws them
+    (an expert stack: A (E, r, in) as PEFT draws its (r*E, in) lora_A, and no dropout)."""
+    if isinstance(module, QLoRAExperts):
+        if config.dropout > 0:
+            raise SettingError(f"LoRA dropout {config.dropout} on expert weights is not supported (PEFT's "
+                               "target_parameters LoRA has none); use dropout 0 or leave the experts out of "
+                               "target_modules")
+        return peft_expert_lora_a_init(rngs.params(), module.num_experts, config.rank, module.in_features,
+                                       module.param_dtype), None
     a = peft_lora_a_init(rngs.params(), config.rank, module.in_features, module.param_dtype)
     drop = nnx.Dropout(config.dropout, rngs=rngs) if config.dropout > 0 else None
     return a, drop
@@ -78,7 +118,8 @@ def apply_lora(model, config: LoraConfig, rngs: nnx.Rngs):
     if rngs is None:
         raise ValueError("apply_lora needs rngs (nnx.Rngs) to initialise the LoRA A matrices")
     slots = list(_slots(model))
-    matched = [s for s in slots if config.matches(s.name)]
+    moe = any(isinstance(s.module, QLoRAExperts) for s in slots)
+    matched = [s for s in slots if _targeted(config, s, moe)]
     if not matched:
         names = [s.name for s in slots]
         shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
@@ -176,7 +217,7 @@ def set_lora_params(model, params_by_module: Mapping[str, Mapping[str, jnp.ndarr
         missing = {"lora_A", "lora_B"} - set(p)
         if missing:
             raise KeyError(f"set_lora_params: {name} is missing {sorted(missing)}")
-        want = {"lora_A": (layer.rank, layer.in_features), "lora_B": (layer.out_features, layer.rank)}
+        want = lora_shapes(layer)
         for key in ("lora_A", "lora_B"):
             if tuple(p[key].shape) != want[key]:
                 raise ValueError(f"set_lora_params: {name}: {key} has shape {tuple(p[key].shape)}, "

@@ -11,9 +11,10 @@ from jqlora.models.generate import generate
 from jqlora.models.llama import CausalLM
 from jqlora.models.loader import load_causal_lm
 from jqlora.models.remat import REMAT_POLICIES, RematPlan, remat_plan
+from jqlora.models.rollout import Rollouts, generate_batch
 
 __all__ = [
     "CausalLM", "ModelConfig", "KVCache", "load_causal_lm", "from_params", "init_params", "generate",
     "UnsupportedModelError", "SUPPORTED_MODEL_TYPES", "REMAT_POLICIES",
-    "RematPlan", "remat_plan",
+    "RematPlan", "remat_plan", "generate_batch", "Rollouts",
 ]

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from interop.bnb_common import NON_TEXT_PREFIXES  # the parts a text model leaves out (said once)
+from interop.experts import canonical_moe_params  # Mixtral's expert keys under transformers 5's names
 from jqlora import quant
 from jqlora._util import QUANTIZE_FORMATS
 from jqlora.errors import SettingError
@@ -36,12 +37,20 @@ class _Source:
 
     def __init__(self, params: Mapping[str, Any], *, quantize=None, compute_dtype=None, backend="auto",
                  param_dtype=None, blocksize: int = 64, double_quant: bool = True, int8_numerics="weight_only",
-                 donate: bool = False):
+                 donate: bool = False, quantize_experts: Optional[str] = "auto"):
         if quantize not in (None, *QUANTIZE_FORMATS):
             raise SettingError(f"quantize must be None, 'nf4', 'fp4' or 'int8', got {quantize!r}")
+        if quantize_experts not in ("auto", "none", None, *QUANTIZE_FORMATS):
+            raise SettingError(f"quantize_experts must be 'auto', 'none', 'nf4', 'fp4' or 'int8', "
+                               f"got {quantize_experts!r}")
         self.params = params
-        self.quantize = None if any(isinstance(v, (quant.Weight4bit, quant.Int8Weight))
-                                    for v in params.values()) else quantize
+        quantized = any(isinstance(v, (quant.Weight4bit, quant.Int8Weight)) for v in params.values())
+        self.quantize = None if quantized else quantize
+        # Dense expert stacks: a quantized checkpoint's are quantized too ("auto": NF4; transformers +
+        # bitsandbytes leave experts in bf16, where a MoE's memory goes), a plain one's follow `quantize`.
+        if quantize_experts == "auto":
+            quantize_experts = "nf4" if quantized else quantize
+        self.quantize_experts = None if quantize_experts == "none" else quantize_experts
         self.compute_dtype = compute_dtype
         self.backend = backend
         self.param_dtype = None if param_dtype is None else jnp.dtype(param_dtype)
@@ -118,6 +127,89 @@ class _Source:
                            numerics=numerics)
 
 
+    def router(self, name: str, num_experts: int, hidden: int):
+        """A mixture-of-experts router (`Router`): always dense, full precision; a quantized one
+        (unsloth's v4-era 4-bit gate) is dequantized exactly, in its stored dtype."""
+        from jqlora.lora.experts import Router  # noqa: PLC0415
+
+        w = self.params.get(name)
+        key = name
+        if w is None:
+            key = name + ".weight"
+            w = self.tensor(key, (num_experts, hidden))
+        else:
+            self.used.add(key)
+            w.validate(name)
+            if tuple(w.shape) != (num_experts, hidden):
+                raise ValueError(f"{name}: shape {tuple(w.shape)} does not match the config's (experts, hidden) = "
+                                 f"{(num_experts, hidden)}")
+            w = quant.dequantize(w, jnp.dtype(w.stored_dtype))
+        return Router(w, compute_dtype=self.compute_dtype, backend="auto")
+
+    def experts(self, name: str, num_experts: int, out_f: int, in_f: int):
+        """One expert projection (`QLoRAExperts`) named as transformers 5 names it
+        (``...mlp.experts.gate_up_proj`` / ``down_proj``), from the fused (E, out, in) tensor (plain or
+        bitsandbytes-quantized whole) or from per-expert ``...experts.{e}.gate_proj|up_proj|down_proj``
+        weights (gate and up joined by rows); dense stacks are quantized per `quantize_experts`."""
+        from interop.experts import concat_rows  # noqa: PLC0415
+        from jqlora.lora.experts import QLoRAExperts  # noqa: PLC0415
+
+        shape = (num_experts, out_f, in_f)
+        w = self.params.get(name)
+        sources = [w]
+        if w is not None:
+            self.used.add(name)
+            if isinstance(w, quant.Weight4bit):
+                if tuple(w.shape) != shape:
+                    raise ValueError(f"{name}: shape {tuple(w.shape)} does not match the config's (experts, out, in) "
+                                     f"= {shape}")
+                base = quant.ExpertWeights.from_fused(w, name)
+            else:
+                if tuple(w.shape) != shape:
+                    raise ValueError(f"{name}: shape {tuple(w.shape)} does not match the config's (experts, out, in) "
+                                     f"= {shape}")
+                base = self._dense_experts(w, name)
+        else:
+            root, proj = name.rsplit(".", 1)
+            parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)
+            rows = out_f // len(parts)
+            weights = []
+            for e in range(num_experts):
+                got = []
+                for part in parts:
+                    module = f"{root}.{e}.{part}"
+                    if module in self.params:
+                        q = self.params[module]
+                        q.validate(module)
+                        self.used.add(module)
+                        got.append(q)
+                    else:
+                        got.append(self.tensor(module + ".weight", (rows, in_f)))
+                    if tuple(base_shape(got[-1])) != (rows, in_f):
+                        raise ValueError(f"{module}: shape {tuple(base_shape(got[-1]))} does not match the config's "
+                                         f"(out, in) = {(rows, in_f)}")
+                weights.append(concat_rows(got, f"{root}.{e}.{'+'.join(parts)}"))
+                sources.extend(got)
+            if isinstance(weights[0], (quant.Weight4bit, quant.Int8Weight)):
+                base = quant.ExpertWeights.from_experts(weights, name)
+            else:
+                base = self._dense_experts(np.stack([np.asarray(w) for w in weights])
+                                           if all(isinstance(w, np.ndarray) for w in weights)
+                                           else jnp.stack([jnp.asarray(w) for w in weights]), name)
+        if self.donate:  # the source tensors are ours and now stacked: free them (58 GB of bf16 on a 30B MoE)
+            for a in jax.tree.leaves(sources):
+                if isinstance(a, jax.Array) and not a.is_deleted() and not any(
+                        a is b for b in jax.tree.leaves(base)):
+                    a.delete()
+        return QLoRAExperts(base, compute_dtype=self.compute_dtype, backend=self.backend)
+
+    def _dense_experts(self, w, name: str):
+        if self.quantize_experts is None:
+            return quant.ExpertWeights.from_dense(self._cast(w), name)
+        return quant.quantize_experts(jnp.asarray(w), self.quantize_experts, blocksize=self.blocksize,
+                                      double_quant=self.double_quant, name=name)
+
+
 # Keys a checkpoint may carry that the model does not need.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 # A multimodal checkpoint's text model (Gemma 3: `Gemma3ForConditionalGeneration`), saved by
@@ -155,7 +247,7 @@ def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], 
                 compute_dtype=jnp.bfloat16, quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None,
                 remat=False, backend: str = "auto", param_dtype=None, strict: bool = True,
                 int8_numerics: str = "weight_only", attention: str = "einsum",
-                donate_params: bool = False) -> CausalLM:
+                donate_params: bool = False, quantize_experts: Optional[str] = "auto") -> CausalLM:
     """Build a `CausalLM` from an HF-keyed params dict (as `interop.load_bnb_checkpoint` returns).
 
     quantize: quantize dense linear weights at build time ("nf4", "fp4" with blocksize 64 and
@@ -167,16 +259,21 @@ def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], 
       training path computes) or "llm_int8" (bitsandbytes' inference numerics: int8 activations
       with fp16 outliers above the checkpoint's llm_int8_threshold).
     remat: False, True, "auto" or a policy name (see `CausalLM`).
+    quantize_experts: the format of mixture-of-experts weights stored dense: "auto" (NF4 in a
+      quantized checkpoint, where transformers + bitsandbytes leave experts in bf16; else as
+      `quantize`), "nf4", "fp4", "int8", or "none" (kept dense). Routers stay dense always.
     donate_params: the decoder layers' weights are stacked into new arrays (one per weight kind,
       leading axis = layer); with True the arrays of `params` that only the layers use are deleted
       once stacked, so building needs about one weight kind of extra device memory rather than a
       second copy of the layers. Only for a dict nobody reads afterwards (`load_causal_lm`'s).
     """
     cfg = ModelConfig.from_hf(config)
-    params = text_model_params(params)
+    multimodal = any(k.startswith(TEXT_MODEL_PREFIXES) for k in params)
+    params = canonical_moe_params(text_model_params(params), cfg.model_type)
     src = _Source(params, quantize=quantize, compute_dtype=compute_dtype, backend=backend, param_dtype=param_dtype,
-                  int8_numerics=int8_numerics, donate=donate_params)
+                  int8_numerics=int8_numerics, donate=donate_params, quantize_experts=quantize_experts)
     model = CausalLM(cfg, src, compute_dtype=compute_dtype, remat=remat, backend=backend, attention=attention)
+    model.text_of_multimodal = multimodal  # PEFT names its modules under the multimodal model's prefix
     if strict:
         unused = [k for k in params if k not in src.used and not k.endswith(_IGNORABLE_SUFFIXES)
                   and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
@@ -227,6 +324,11 @@ def init_params(config: Union[Mapping, ModelConfig], seed: int = 0, dtype=jnp.fl
                "mlp.gate_proj": (c.intermediate_size, c.hidden_size, c.mlp_bias),
                "mlp.up_proj": (c.intermediate_size, c.hidden_size, c.mlp_bias),
                "mlp.down_proj": (c.hidden_size, c.intermediate_size, c.mlp_bias)}
+        if c.fused_projections:  # Phi-3: q/k/v and gate/up stacked by rows
+            for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+                del lin[n]
+            lin["self_attn.qkv_proj"] = (c.q_features + 2 * c.kv_features, c.hidden_size, c.qkv_bias)
+            lin["mlp.gate_up_proj"] = (2 * c.intermediate_size, c.hidden_size, c.mlp_bias)
         for n, (o, i_, has_bias) in lin.items():
             p[f"{pre}.{n}.weight"] = normal((o, i_))
             if has_bias:

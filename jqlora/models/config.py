@@ -1,11 +1,11 @@
 """`ModelConfig`: the architecture facts of a decoder-only checkpoint, parsed from HF config.json.
 
-Llama (2/3), Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 share one module tree
+Llama (2/3), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 share one module tree
 (`jqlora.models.llama`); what differs between them is data here: the norm's form (Llama's
 ``w * x`` or Gemma's ``(1 + w) * x`` in float32), the embedding scale, the attention scale and
 soft-caps, the sandwich norms around attention and MLP, per-layer sliding windows and the second
-RoPE table of Gemma 3's sliding layers. A multimodal Gemma 3 config (``model_type: gemma3``) is
-read through its nested ``text_config``.
+RoPE table of Gemma 3's sliding layers, Phi-3's fused projections, LongRoPE and partial rotary. A
+multimodal Gemma 3 config (``model_type: gemma3``) is read through its nested ``text_config``.
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import numpy as np
 
 from jqlora.errors import Error
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3", "qwen3_moe",
+                         "mixtral", "phi3")
+MOE_TYPES = ("qwen3_moe", "mixtral")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
 
@@ -113,6 +115,17 @@ class ModelConfig:
     final_softcap: Optional[float] = None  # Gemma 2: logits = cap * tanh(logits / cap)
     sandwich_norms: bool = False  # Gemma: norms after attention and around the MLP (4 per layer)
     local_rope_theta: Optional[float] = None  # Gemma 3: RoPE base of the sliding layers (default rope)
+    fused_projections: bool = False  # Phi-3: one qkv_proj (q, k, v rows) and one gate_up_proj (gate, up rows)
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE turns the first int(head_dim * this) features only
+    # Mixture of experts (Qwen3-MoE, Mixtral; `jqlora.models.moe`): 0 experts = a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False      # renormalise the top-k probabilities (Mixtral: always)
+    router_weights_f32: bool = False  # Mixtral: routing weights stay float32; Qwen3-MoE: compute dtype
+    sparse_layers: tuple = ()         # per layer: True where the MLP is the sparse MoE block
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False  # add router_aux_loss_coef * the load-balancing loss in training
     bos_token_id: Optional[int] = None
     eos_token_id: Any = None  # int or tuple of ints
 
@@ -130,6 +143,11 @@ class ModelConfig:
         if self.local_rope_theta is None:
             return self
         return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_type="default", rope_scaling=())
+
+    @property
+    def rotary_dim(self) -> int:
+        """The features of each head that RoPE turns (the rest pass through): head_dim unless partial."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_features(self) -> int:
@@ -183,8 +201,7 @@ class ModelConfig:
         if head_dim % 2:
             raise ValueError(f"head dimension {head_dim} ('head_dim' or hidden_size / num_attention_heads) is odd; "
                              "rotary embeddings need an even one")
-        if cfg.get("partial_rotary_factor", 1.0) not in (None, 1.0):
-            raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+        partial = _partial_rotary(cfg, mt, head_dim)
         act = _get(cfg, "hidden_activation", "gelu_pytorch_tanh") if gemma else _get(cfg, "hidden_act", "silu")
         if not isinstance(act, str) or act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
@@ -205,11 +222,17 @@ class ModelConfig:
         if mt == "gemma3_text" and "rope_theta" not in rp:
             theta = 1_000_000.0
         rope_type = rp.get("rope_type", rp.get("type")) or "default"
+        if mt == "phi3" and rope_type in ("su", "yarn"):  # transformers' Phi3Config renames both
+            rope_type = "longrope"
+        if rope_type == "longrope" and cfg.get("original_max_position_embeddings") is not None:
+            rp["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]  # it wins (transformers)
         if not isinstance(rope_type, str) or rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-        extra = {k: v for k, v in rp.items() if k not in ("rope_type", "type", "rope_theta")}
-        needs = {"default": (), "linear": ("factor",),
+        extra = {k: v for k, v in rp.items() if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")}
+        if rope_type == "longrope":
+            extra = _longrope(extra, cfg, int(head_dim * partial))
+        needs = {"default": (), "linear": ("factor",), "longrope": ("original_max_position_embeddings",),
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
         for k in needs[rope_type]:
             if k not in extra:
@@ -218,16 +241,16 @@ class ModelConfig:
         if rope_type == "llama3" and extra["low_freq_factor"] == extra["high_freq_factor"]:
             raise ValueError("rope_type 'llama3' needs 'low_freq_factor' != 'high_freq_factor'")
         rope_scaling = tuple(sorted((k, v) for k, v in extra.items()
-                                    if isinstance(v, (int, float, str, bool)) or v is None))
+                                    if isinstance(v, (int, float, str, bool, tuple)) or v is None))
 
         # Biases and per-architecture extras (as transformers' modeling files hard-code them).
         qkv_bias = o_bias = False
         qk_norm = False
-        if mt in ("llama", "qwen3") or gemma:
+        if mt in ("llama", "qwen3", "qwen3_moe") or gemma:
             qkv_bias = o_bias = _bool(cfg, "attention_bias")
         if mt == "qwen2":
             qkv_bias = True
-        if mt in ("qwen3", "gemma3_text"):
+        if mt in ("qwen3", "gemma3_text", "qwen3_moe"):
             qk_norm = True
         gemma_fields = {}
         if gemma:
@@ -248,10 +271,80 @@ class ModelConfig:
             rope_type=rope_type, rope_scaling=rope_scaling,
             max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings"),
+            fused_projections=mt == "phi3", partial_rotary_factor=partial,
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=qk_norm, hidden_act=act,
             sliding_windows=windows, bos_token_id=_token_ids(cfg, "bos_token_id"),
-            eos_token_id=_token_ids(cfg, "eos_token_id"), **gemma_fields,
+            eos_token_id=_token_ids(cfg, "eos_token_id"), **gemma_fields, **_moe_fields(cfg, mt, layers),
         )
+
+
+def _moe_fields(cfg: Mapping, mt: str, layers: int) -> dict:
+    """The mixture-of-experts fields as transformers reads them: Qwen3-MoE (``num_experts``,
+    ``moe_intermediate_size``, sparse layers from ``mlp_only_layers`` / ``decoder_sparse_step``,
+    ``norm_topk_prob``) and Mixtral (``num_local_experts``, every layer sparse, the expert size is
+    ``intermediate_size``, always renormalised, float32 routing weights)."""
+    if mt not in MOE_TYPES:
+        return {}
+    experts = _int(cfg, "num_local_experts" if "num_local_experts" in cfg else "num_experts")
+    top_k = _int(cfg, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(f"'num_experts_per_tok' ({top_k}) is larger than the number of experts ({experts})")
+    if mt == "mixtral":
+        if _float(cfg, "router_jitter_noise", 0.0, positive=False):
+            raise UnsupportedModelError("router_jitter_noise != 0 is not supported")
+        inter, norm, f32, sparse = _int(cfg, "intermediate_size"), True, True, (True,) * layers
+    else:
+        inter, norm, f32 = _int(cfg, "moe_intermediate_size"), _bool(cfg, "norm_topk_prob"), False
+        step = _int(cfg, "decoder_sparse_step", 1)
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ValueError(f"'mlp_only_layers' is {only!r}; expected a list of layer indices")
+        sparse = tuple(i not in only and (i + 1) % step == 0 for i in range(layers))
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, norm_topk_prob=norm,
+                router_weights_f32=f32, sparse_layers=sparse,
+                router_aux_loss_coef=_float(cfg, "router_aux_loss_coef", 0.001, positive=False),
+                output_router_logits=_bool(cfg, "output_router_logits"))
+
+
+def _partial_rotary(cfg: Mapping, mt: str, head_dim: int) -> float:
+    """``partial_rotary_factor`` (top level, or in v5's ``rope_parameters``): Phi-3 / Phi-4-mini
+    only; another family with a factor below 1 is refused (its modeling files ignore or differ)."""
+    rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
+    src = rp if rp.get("partial_rotary_factor") is not None else cfg
+    f = _float(src, "partial_rotary_factor", 1.0)
+    if f == 1.0:
+        return 1.0
+    if mt != "phi3":
+        raise UnsupportedModelError(f"partial_rotary_factor != 1 is not supported for model_type {mt!r}")
+    dim = int(head_dim * f)
+    if f > 1.0 or dim < 2 or dim % 2:
+        raise ValueError(f"'partial_rotary_factor' is {f!r}; int(head_dim * it) must be an even number "
+                         f"in [2, {head_dim}], got {dim}")
+    return f
+
+
+def _longrope(extra: dict, cfg: Mapping, rotary_dim: int) -> dict:
+    """LongRoPE's parameters (Phi-3 "longrope" / "su"), checked: ``short_factor`` and
+    ``long_factor`` (lists of rotary_dim / 2 positive numbers, kept as tuples),
+    ``original_max_position_embeddings`` (default: max_position_embeddings) and ``factor``
+    (default: max_position_embeddings / original, as transformers computes it)."""
+    out = dict(extra)
+    out.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+    for key in ("short_factor", "long_factor"):
+        v = out.get(key)
+        if (not isinstance(v, (list, tuple)) or len(v) != rotary_dim // 2
+                or not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                           for x in v)):
+            raise ValueError(f"rope_type 'longrope' needs {key!r}: a list of {rotary_dim // 2} positive numbers "
+                             f"(rotary dims / 2), got {v!r}")
+        out[key] = tuple(float(x) for x in v)
+    _int(out, "original_max_position_embeddings")
+    if out.get("factor") is None:
+        out["factor"] = _int(cfg, "max_position_embeddings", 2048) / out["original_max_position_embeddings"]
+    _float(out, "factor", 1.0)
+    if out.get("attention_factor") is not None:
+        _float(out, "attention_factor", 1.0)
+    return out
 
 
 def text_config(cfg: Mapping) -> dict:
@@ -305,8 +398,10 @@ def _sliding_windows(cfg: Mapping, mt: str, layers: int) -> tuple:
     if mt == "llama" or cfg.get("sliding_window") is None:
         return (None,) * layers
     window = _int(cfg, "sliding_window")
-    if mt == "mistral":
+    if mt in ("mistral", "mixtral", "phi3"):
         return (window,) * layers
+    if mt == "qwen3_moe":  # transformers: every layer slides when use_sliding_window
+        return ((window,) if _bool(cfg, "use_sliding_window") else (None,)) * layers
     types = cfg.get("layer_types")
     if mt in GEMMA_TYPES:  # transformers' rule when layer_types is absent: Gemma 2 alternates, Gemma 3 5:1
         if types is None:
@@ -326,13 +421,18 @@ def _sliding_windows(cfg: Mapping, mt: str, layers: int) -> tuple:
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies (head_dim // 2,) in float32, computed as transformers does."""
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, long: bool = False) -> np.ndarray:
+    """Inverse frequencies (rotary_dim // 2,) in float32, computed as transformers does. long:
+    LongRoPE's table for sequences past original_max_position_embeddings (`long_factor`; the
+    default is `short_factor`); other rope types have one table."""
+    dim = config.rotary_dim
     base = np.float32(config.rope_theta)
-    inv = (np.float32(1.0) / (base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))))
-    inv = inv.astype(np.float32)
+    shape = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     p = config.rope_params
+    if config.rope_type == "longrope":
+        ext = np.asarray(p["long_factor" if long else "short_factor"], np.float32)
+        return (np.float32(1.0) / (ext * (base ** shape).astype(np.float32))).astype(np.float32)
+    inv = (np.float32(1.0) / (base ** shape)).astype(np.float32)
     if config.rope_type == "linear":
         inv = (inv / np.float32(p["factor"])).astype(np.float32)
     elif config.rope_type == "llama3":
@@ -350,4 +450,31 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 def rope_attention_scaling(config: ModelConfig) -> float:
-    return 1.0  # default / linear / llama3 do not rescale cos and sin
+    """The factor on cos and sin: LongRoPE's `attention_factor`, by default
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) when factor > 1 (transformers'
+    `_compute_longrope_parameters`); 1.0 for default / linear / llama3."""
+    if config.rope_type != "longrope":
+        return 1.0
+    p = config.rope_params
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    factor = float(p["factor"])
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(p["original_max_position_embeddings"]))
+
+
+def longrope_switch(config: ModelConfig) -> Optional[int]:
+    """LongRoPE: the original_max_position_embeddings past which (max position + 1 of a forward
+    call, as transformers decides per call) the long table replaces the short one; None otherwise."""
+    return int(config.rope_params["original_max_position_embeddings"]) if config.rope_type == "longrope" else None
+
+
+def attn_softcap_of(cfg: Mapping) -> Optional[float]:
+    """The attention soft-cap (Gemma 2's attn_logit_softcapping) of a parsed config.json, read
+    before loading so the CLI can choose an attention path; None when the model has none or the
+    config does not parse (loading then reports that with its own message)."""
+    try:
+        return ModelConfig.from_hf(cfg).attn_softcap
+    except (Error, ValueError):
+        return None

@@ -14,7 +14,7 @@ layers are unrolled). "auto" hoists when two copies of the weights and the KV ca
 the device's memory; on a CPU (no memory limit reported, cheap copies) it scans."""
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Optional, Sequence, Union
 
 import jax
@@ -24,6 +24,7 @@ from flax import nnx
 from jqlora import lowered_cache
 from jqlora.errors import SettingError
 from jqlora.models.cache import KVCache
+from jqlora.models.config import longrope_switch
 from jqlora.models.remat import device_memory, state_bytes
 
 # The output buffer and KV cache are sized to max_new_tokens rounded up to this; a request for N
@@ -79,28 +80,69 @@ def hoist_layers(model, batch: int, max_len: int, decode_layers: str = "auto") -
     limit = device_memory()
     if limit is None:
         return False
-    cache = 2 * math.prod(KVCache.kv_shape(model.config, batch, max_len)) * model.compute_dtype.itemsize
+    cache = KVCache.nbytes(model.config, batch, max_len, model.compute_dtype)
     return state_bytes(model) + state_bytes(model.model.layers) + cache <= 0.9 * limit
+
+
+def model_loader(graphdef, *states):
+    """A function that rebuilds the model from its split state inside a traced program: a fresh
+    copy per call, since NNX forbids touching Variables created at another trace level (prefill,
+    loop body). eval(): no dropout; remat is pointless without a backward pass."""
+    def load():
+        m = nnx.merge(graphdef, *states, copy=True)
+        m.eval()
+        m.remat = False
+        return m
+
+    return load
+
+
+def prefill(model, prompt, prompt_mask, max_len: int):
+    """Run LEFT-padded prompts (B, T) (mask 0 = padding: segment 0, never attended; positions count
+    real tokens only) into a fresh cache of `max_len` slots. -> (logits (B, T, V), cache, the
+    position of each row's next token (B,))."""
+    seg = prompt_mask.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(seg, axis=-1) - 1, 0)
+    cache = model.init_cache(prompt.shape[0], max_len)
+    logits, cache = model(prompt, positions=positions, segment_ids=seg, cache=cache)
+    return logits, cache, positions[:, -1] + 1
+
+
+def decode_layer_states(model, hoist: bool):
+    """The layers sliced once, before a decode loop (loop invariants), or None to scan them."""
+    return [stack.layer_states() for stack in model.model.layers.stacks] if hoist else None
+
+
+def decode_step(model, tok, pos, cache, layer_states):
+    """One token per row (B,) at positions pos (B,) -> (float32 logits (B, V), cache)."""
+    logits, cache = model(tok[:, None], positions=pos[:, None], cache=cache, layer_states=layer_states)
+    return logits[:, 0].astype(jnp.float32), cache
+
+
+def longrope_recompute(model, prompt, prompt_mask, out, i, like: KVCache):
+    """LongRoPE (Phi-3): transformers' `generate` recomputes the whole cache once, when the
+    sequence first passes original_max_position_embeddings, so that every key carries the long
+    factors from then on (Phi3ForCausalLM.prepare_inputs_for_generation). The prompt and the i
+    tokens of `out` (B, bucket) generated so far, the last of them not yet in the cache, run again
+    into a fresh cache in `like`'s layout -> (float32 logits of that last token (B, V), cache)."""
+    b, t = prompt.shape
+    seg = jnp.concatenate([prompt_mask.astype(jnp.int32),
+                           jnp.broadcast_to(jnp.arange(out.shape[1]) < i, out.shape).astype(jnp.int32)], axis=1)
+    positions = jnp.maximum(jnp.cumsum(seg, axis=-1) - 1, 0)
+    fresh = KVCache.init(model.config, b, seg.shape[1], model.compute_dtype, ring=False)
+    logits, cache = model(jnp.concatenate([prompt, out], axis=1), positions=positions, segment_ids=seg, cache=fresh)
+    last = jax.lax.dynamic_index_in_dim(logits, t + i - 1, 1, keepdims=False).astype(jnp.float32)
+    cache = dataclasses.replace(cache, index=jnp.asarray(t + i, jnp.int32))
+    return last, cache.in_layout_of(like)
 
 
 def _generate_program(state, prompt, prompt_mask, key, eos, temperature, top_p, max_new_tokens, *, graphdef, bucket,
                       greedy, use_top_p, return_logits, hoist):
     """The prefill and the decode loop, one program (`_generate` compiles it; `_run` runs it)."""
-    def load():
-        # A fresh traced copy per trace level (prefill, loop body): NNX forbids touching Variables
-        # created at another trace level. eval(): no dropout; remat is pointless without backward.
-        m = nnx.merge(graphdef, state, copy=True)
-        m.eval()
-        m.remat = False
-        return m
-
+    load = model_loader(graphdef, state)
     model = load()
     b, t = prompt.shape
-    seg = prompt_mask.astype(jnp.int32)
-    positions = jnp.maximum(jnp.cumsum(seg, axis=-1) - 1, 0)
-    cache = KVCache.init(model.config, b, t + bucket, model.compute_dtype)
-    logits, cache = model(prompt, positions=positions, segment_ids=seg, cache=cache)
-    next_pos = positions[:, -1] + 1
+    logits, cache, next_pos = prefill(model, prompt, prompt_mask, t + bucket)
     vocab = logits.shape[-1]
 
     def pick(step_logits, i):
@@ -125,12 +167,19 @@ def _generate_program(state, prompt, prompt_mask, key, eos, temperature, top_p, 
         return (i < max_new_tokens) & ~jnp.all(done)
 
     # Sliced here, outside the loop: loop invariants, not a copy of every layer per token.
-    layer_states = [stack.layer_states() for stack in model.model.layers.stacks] if hoist else None
+    layer_states = decode_layer_states(model, hoist)
+
+    switch = longrope_switch(model.config)
+    recompute = switch is not None and t <= switch < t + bucket  # the sequence may cross it here
 
     def body(carry):
         i, tok, pos, cache, done, out, scores = carry
-        step_logits, cache = load()(tok[:, None], positions=pos[:, None], cache=cache, layer_states=layer_states)
-        step_logits = step_logits[:, 0].astype(jnp.float32)
+        if recompute:
+            step_logits, cache = jax.lax.cond(
+                cache.index == switch, lambda c: longrope_recompute(load(), prompt, prompt_mask, out, i, c),
+                lambda c: decode_step(load(), tok, pos, c, layer_states), cache)
+        else:
+            step_logits, cache = decode_step(load(), tok, pos, cache, layer_states)
         new = pick(step_logits, i)
         new = jnp.where(done, pad, new)
         out = out.at[:, i].set(new)

@@ -1,5 +1,6 @@
 """Decoder-only causal LMs in Flax NNX: Llama 2/3 (incl. llama3 RoPE scaling), Mistral, Qwen2, Qwen3,
-Gemma 2 and Gemma 3 (text). The differences between the families are `ModelConfig` fields.
+Gemma 2, Gemma 3 (text) and Phi-3 (fused qkv_proj / gate_up_proj, LongRoPE, partial rotary). The
+differences between the families are `ModelConfig` fields.
 
 Module tree names equal the HF module names (`model.layers.0.self_attn.q_proj`,
 `model.layers.0.mlp.gate_proj`, `model.norm`, `lm_head`), so `jqlora.lora.named_linears`,
@@ -15,6 +16,7 @@ from a dict of arrays); this file knows no files.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -30,8 +32,9 @@ from jqlora import quant
 from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
 from jqlora.lora.stacked import LayerStack, StackedLayers
 import jqlora.models.packed_attention as packed_attention
+import jqlora.models.moe as moe
 from jqlora.models.cache import KVCache
-from jqlora.models.config import ModelConfig, rope_attention_scaling, rope_inv_freq
+from jqlora.models.config import ModelConfig, longrope_switch, rope_attention_scaling, rope_inv_freq
 from jqlora.models.remat import (LAYER_INPUT, REMAT_POLICIES, mlp_chunk_for, remat_plan, resolve_remat,
                                  state_bytes)
 
@@ -97,12 +100,27 @@ def rotate_half(x):
 
 
 def rope_cos_sin(config: ModelConfig, positions: jax.Array, dtype):
-    """cos, sin of shape (B, T, head_dim) for integer positions (B, T); fp32 math, then dtype."""
+    """cos, sin of shape (B, T, rotary_dim) for integer positions (B, T); fp32 math, then dtype.
+    LongRoPE (Phi-3) takes its long table when the call's largest position + 1 exceeds
+    original_max_position_embeddings, as transformers decides per forward call."""
     inv = jnp.asarray(rope_inv_freq(config))
+    switch = longrope_switch(config)
+    if switch is not None:
+        inv = jnp.where(jnp.max(positions) + 1 > switch, jnp.asarray(rope_inv_freq(config, long=True)), inv)
     freqs = positions.astype(jnp.float32)[..., None] * inv  # (B, T, D/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     s = rope_attention_scaling(config)
     return (jnp.cos(emb) * s).astype(dtype), (jnp.sin(emb) * s).astype(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x * cos + rotate_half(x) * sin on the first cos.shape[-1] features of x (all of them unless
+    the rotary is partial, Phi-4-mini); the rest pass unchanged."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr = x[..., :rd]
+    return jnp.concatenate([xr * cos + rotate_half(xr) * sin, x[..., rd:]], axis=-1)
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
@@ -135,9 +153,12 @@ class Attention(nnx.Module):
                  window: Optional[int]):
         self.config = config
         self.window = window
-        self.q_proj = linears["q_proj"]
-        self.k_proj = linears["k_proj"]
-        self.v_proj = linears["v_proj"]
+        if config.fused_projections:  # Phi-3: q, k and v rows stacked in one linear (PEFT's and bnb's unit)
+            self.qkv_proj = linears["qkv_proj"]
+        else:
+            self.q_proj = linears["q_proj"]
+            self.k_proj = linears["k_proj"]
+            self.v_proj = linears["v_proj"]
         self.o_proj = linears["o_proj"]
         if config.qk_norm:
             self.q_norm = RMSNorm(norms["q_norm"], config.rms_norm_eps, config.norm_kind)
@@ -148,19 +169,23 @@ class Attention(nnx.Module):
         cfg = self.config
         b, t, _ = x.shape
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = self.q_proj(x).reshape(b, t, h, d)
-        k = self.k_proj(x).reshape(b, t, kvh, d)
-        v = self.v_proj(x).reshape(b, t, kvh, d)
+        if cfg.fused_projections:
+            q, k, v = jnp.split(self.qkv_proj(x), [h * d, (h + kvh) * d], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, kvh, d), v.reshape(b, t, kvh, d)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         c, s = cos[:, :, None, :], sin[:, :, None, :]
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
         new_kv = None
-        if kv_cache is not None:
+        if kv_cache is not None and len(kv_cache) > 3 and kv_cache[3]:  # a sliding layer's ring buffer
+            k, v, k_slots, k_seg, new_kv = ring_attend(k, v, *kv_cache[:3], index, k_seg)
+            k, v = k.astype(x.dtype), v.astype(x.dtype)
+        elif kv_cache is not None:
             # (L, B, S, kvh, d) arrays of every layer and this layer's index: only the new tokens are
             # written, in place (a while_loop carry), never a copy of the layer's whole slab.
-            ck, cv, layer = kv_cache
+            ck, cv, layer = kv_cache[:3]
             zero = jnp.zeros((), jnp.int32)
             at = (layer, zero, jnp.asarray(index, jnp.int32), zero, zero)
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], at)
@@ -205,10 +230,47 @@ class Attention(nnx.Module):
         return out.reshape(b, t, h * d)
 
 
+def ring_attend(k, v, ck, cv, layer, index, k_seg):
+    """A sliding-window layer's cached keys and values in a ring buffer (`KVCache.ring_k`).
+
+    k, v: this call's T new entries (B, T, kvh, d) at slots [index, index + T); ck, cv: (rings, B,
+    R, kvh, d), ring entry j of row `layer` holding the latest slot s < index with s = j mod R;
+    k_seg: (B, max_len) segment of every slot (this call's included). Returns the keys and values
+    the new queries attend (the R ring entries as they were, then the T new ones: a prefill longer
+    than the ring sees all of its own tokens), their slots (B, R + T) and segments (B, R + T) for
+    `attention_mask` (an entry never written has segment 0), and the ring arrays with the last
+    min(T, R) new entries written at their slots mod R."""
+    b, t = k.shape[:2]
+    r = ck.shape[2]
+    idx = jnp.asarray(index, jnp.int32)
+    held = idx - 1 - jnp.mod(idx - 1 - jnp.arange(r, dtype=jnp.int32), r)  # the slot in each entry; < 0: none
+    held_seg = jnp.where(held >= 0, jnp.take(k_seg, jnp.maximum(held, 0), axis=1), 0)
+    slots = jnp.concatenate([held, idx + jnp.arange(t, dtype=jnp.int32)])
+    segs = jnp.concatenate([held_seg, jax.lax.dynamic_slice_in_dim(k_seg, idx, t, axis=1)], axis=1)
+    rk = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False)
+    rv = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False)
+    keys = jnp.concatenate([rk, k.astype(ck.dtype)], axis=1)
+    values = jnp.concatenate([rv, v.astype(cv.dtype)], axis=1)
+    if t == 1:  # decoding: one entry, written in place
+        zero = jnp.zeros((), jnp.int32)
+        at = (layer, zero, jnp.mod(idx, r), zero, zero)
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], at)
+        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], at)
+    else:
+        m = min(t, r)
+        pos = jnp.mod(idx + (t - m) + jnp.arange(m, dtype=jnp.int32), r)
+        ck = ck.at[layer, :, pos].set(jnp.moveaxis(k[:, t - m:], 1, 0).astype(ck.dtype))
+        cv = cv.at[layer, :, pos].set(jnp.moveaxis(v[:, t - m:], 1, 0).astype(cv.dtype))
+    return keys, values, jnp.broadcast_to(slots, (b, r + t)), segs, (ck, cv)
+
+
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, linears: Mapping[str, QLoRALinear]):
-        self.gate_proj = linears["gate_proj"]
-        self.up_proj = linears["up_proj"]
+        if "gate_up_proj" in linears:  # Phi-3: gate rows, then up rows, in one linear
+            self.gate_up_proj = linears["gate_up_proj"]
+        else:
+            self.gate_proj = linears["gate_proj"]
+            self.up_proj = linears["up_proj"]
         self.down_proj = linears["down_proj"]
         self.act = config.hidden_act
 
@@ -225,6 +287,9 @@ class MLP(nnx.Module):
         return self._dense(x)
 
     def _dense(self, x):
+        if hasattr(self, "gate_up_proj"):
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+            return self.down_proj(_activation(self.act)(gate) * up)
         return self.down_proj(_activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
 
     def _has_dropout(self) -> bool:
@@ -235,22 +300,32 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, src: "_Source", prefix: str, window: Optional[int]):
         c = config
         lin = lambda n, o, i, bias: src.linear(f"{prefix}.{n}", o, i, bias)  # noqa: E731
-        attn_lin = {
-            "q_proj": lin("self_attn.q_proj", c.q_features, c.hidden_size, c.qkv_bias),
-            "k_proj": lin("self_attn.k_proj", c.kv_features, c.hidden_size, c.qkv_bias),
-            "v_proj": lin("self_attn.v_proj", c.kv_features, c.hidden_size, c.qkv_bias),
-            "o_proj": lin("self_attn.o_proj", c.hidden_size, c.q_features, c.o_bias),
-        }
+        if c.fused_projections:
+            attn_lin = {"qkv_proj": lin("self_attn.qkv_proj", c.q_features + 2 * c.kv_features, c.hidden_size,
+                                        c.qkv_bias)}
+        else:
+            attn_lin = {
+                "q_proj": lin("self_attn.q_proj", c.q_features, c.hidden_size, c.qkv_bias),
+                "k_proj": lin("self_attn.k_proj", c.kv_features, c.hidden_size, c.qkv_bias),
+                "v_proj": lin("self_attn.v_proj", c.kv_features, c.hidden_size, c.qkv_bias),
+            }
+        attn_lin["o_proj"] = lin("self_attn.o_proj", c.hidden_size, c.q_features, c.o_bias)
         norms = {}
         if c.qk_norm:
             norms = {n: src.tensor(f"{prefix}.self_attn.{n}.weight", (c.head_dim,)) for n in ("q_norm", "k_norm")}
         self.self_attn = Attention(c, attn_lin, norms, window)
         self.window = window
-        self.mlp = MLP(c, {
-            "gate_proj": lin("mlp.gate_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
-            "up_proj": lin("mlp.up_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
-            "down_proj": lin("mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias),
-        })
+        if c.sparse_layers and c.sparse_layers[int(prefix.rsplit(".", 1)[-1])]:  # a mixture-of-experts layer
+            self.mlp = moe.build_block(c, src, f"{prefix}.mlp")
+        else:
+            if c.fused_projections:
+                mlp_lin = {"gate_up_proj": lin("mlp.gate_up_proj", 2 * c.intermediate_size, c.hidden_size,
+                                               c.mlp_bias)}
+            else:
+                mlp_lin = {"gate_proj": lin("mlp.gate_proj", c.intermediate_size, c.hidden_size, c.mlp_bias),
+                           "up_proj": lin("mlp.up_proj", c.intermediate_size, c.hidden_size, c.mlp_bias)}
+            mlp_lin["down_proj"] = lin("mlp.down_proj", c.hidden_size, c.intermediate_size, c.mlp_bias)
+            self.mlp = MLP(c, mlp_lin)
         norm = lambda n: RMSNorm(src.tensor(f"{prefix}.{n}.weight", (c.hidden_size,)), c.rms_norm_eps,  # noqa: E731
                                  c.norm_kind)
         self.input_layernorm = norm("input_layernorm")
@@ -302,18 +377,23 @@ class DecoderStack(LayerStack):
         _, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
         return [jax.tree.map(lambda a, j=j: a[j], (rng_state, rest)) for j in range(self.size)]
 
-    def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool, layers=None):
+    def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool, layers=None,
+                 cache_row: Optional[int] = None, ring: bool = False):
         """-> (x, cache, each layer's output stacked (size, B, T, H) or None without `collect`).
-        cache: None or (k, v) of shape (num_layers, B, S, kvh, d); layer start + j uses row start + j.
+        cache: None or (k, v) of shape (rows, B, S, kvh, d); layer start + j uses row cache_row + j
+        (default: start + j). ring: those arrays are the sliding layers' ring buffers (`KVCache`).
         layers: `layer_states()` taken earlier: the layers then run one after another in Python
         (no scan, no slicing here)."""
         graphdef, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
 
         mlp_chunk = mlp_chunk_for(policy, x.shape[1])
 
+        row0 = self.start if cache_row is None else cache_row
+
         def one_layer(x, rng_j, rest_j, kv):
             layer = nnx.merge(graphdef, rng_j, rest_j)
             x = checkpoint_name(x, LAYER_INPUT)  # what the offloading remat policy keeps on the host
+            kv = None if kv is None else (*kv, ring)  # ring: static, never a traced argument
             x, new_kv = layer(x, *aux, kv_cache=kv, index=index, impl=impl, plain_causal=plain_causal,
                               mlp_chunk=mlp_chunk)
             return x, new_kv, nnx.state(layer, nnx.RngState)
@@ -328,7 +408,7 @@ class DecoderStack(LayerStack):
             # not once per layer (each Mosaic GPU kernel takes a while to lower).
             call = jax.jit(one_layer)
             for j, (rng_j, rest_j) in enumerate(layers):
-                kv = None if cache is None else (*cache, jnp.int32(self.start + j))
+                kv = None if cache is None else (*cache, jnp.int32(row0 + j))
                 x, cache, _ = call(x, rng_j, rest_j, kv)
             return x, cache, None
 
@@ -339,7 +419,7 @@ class DecoderStack(LayerStack):
             x, new_kv, rng_j = one_layer(x, rng_j, rest_j, kv)
             return (x, new_kv), (rng_j, x if collect else None)
 
-        ids = self.start + jnp.arange(self.size, dtype=jnp.int32)
+        ids = row0 + jnp.arange(self.size, dtype=jnp.int32)
         (x, cache), (new_rng, ys) = jax.lax.scan(body, (x, cache), (rng_state, rest, ids))
         if any(isinstance(n, nnx.Dropout) and n.rate > 0 and not n.deterministic
                for _, n in nnx.iter_graph(self.layer)):
@@ -390,6 +470,11 @@ class CausalLM(nnx.Module):
         if attention != "einsum" and config.attn_softcap is not None:
             raise SettingError(f"attention {attention!r} cannot apply {config.model_type}'s attention soft-capping "
                              f"(attn_logit_softcapping={config.attn_softcap:g}); use attention='einsum'")
+        if config.norm_kind == "gemma" and jnp.dtype(compute_dtype) == jnp.float16:
+            raise SettingError(f"float16 compute is refused for {config.model_type}: Gemma's residual stream "
+                               f"outgrows float16 (max {float(jnp.finfo(jnp.float16).max):g}; the real Gemma 3 270M "
+                               "reaches about 1e5, and transformers' float16 forward turns to inf/NaN too); "
+                               "use bfloat16 or float32")
         self.attention = attention
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype)
@@ -461,11 +546,16 @@ class CausalLM(nnx.Module):
         aux = (cos, sin, q_slots, k_slots, q_seg, k_seg, runs)
 
         policy = self._remat_policy(b, t) if cache is None else None
-        kv = None if cache is None else (cache.k, cache.v)
+        # the cache's arrays by kind: False = whole-sequence rows, True = sliding layers' ring buffers
+        arrays = None if cache is None else {False: (cache.k, cache.v), True: (cache.ring_k, cache.ring_v)}
         collected = []
         for i, stack in enumerate(self.model.layers.stacks):
-            x, kv, ys = stack(x, aux, kv, index=index, impl=impl, plain_causal=plain_causal, policy=policy,
-                              collect=return_states, layers=None if layer_states is None else layer_states[i])
+            ring, row = (False, None) if cache is None else _stack_slot(cache, stack)
+            x, kv, ys = stack(x, aux, None if cache is None else arrays[ring], index=index, impl=impl,
+                              plain_causal=plain_causal, policy=policy, collect=return_states,
+                              layers=None if layer_states is None else layer_states[i], cache_row=row, ring=ring)
+            if cache is not None:
+                arrays[ring] = kv
             if return_states:
                 collected.extend(ys[j] for j in range(stack.size))
         x = self.model.norm(x)
@@ -476,7 +566,8 @@ class CausalLM(nnx.Module):
             return logits, {"embed": states["embed"], "layers": tuple(collected), "norm": x}
         if cache is None:
             return logits
-        return logits, KVCache(k=kv[0], v=kv[1], segment_ids=k_seg, index=index + t)
+        return logits, dataclasses.replace(cache, k=arrays[False][0], v=arrays[False][1], ring_k=arrays[True][0],
+                                           ring_v=arrays[True][1], segment_ids=k_seg, index=index + t)
 
     def _remat_policy(self, batch: int, seq_len: int):
         """The jax.checkpoint policy of this forward (None: no remat); "auto" asks `remat_plan`."""
@@ -492,6 +583,17 @@ class CausalLM(nnx.Module):
             plan.log()
             return None if plan.policy is None else REMAT_POLICIES[plan.policy]
         return resolve_remat(self.remat)
+
+
+def _stack_slot(cache: KVCache, stack) -> tuple[bool, int]:
+    """(ring, first row) of a decoder stack's layers in `cache`; its layers share a window, so
+    they are all ring rows or all whole-sequence rows, in order."""
+    ring, row = cache.slot(stack.start)
+    if any(cache.slot(stack.start + j) != (ring, row + j) for j in range(stack.size)):
+        last = stack.start + stack.size - 1
+        raise ValueError(f"cache layout {cache.layout} does not keep layers {stack.start}..{last} "
+                         "in consecutive rows of one kind")
+    return ring, row
 
 
 def _lora_rank(model) -> int:

@@ -35,7 +35,7 @@ def _check_config(path: str) -> dict:
 def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=jnp.bfloat16,
                    quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None, remat=False, *,
                    backend: str = "auto", param_dtype=None, int8_numerics: str = "weight_only",
-                   attention: str = "einsum", mesh=None) -> CausalLM:
+                   attention: str = "einsum", mesh=None, quantize_experts: Optional[str] = "auto") -> CausalLM:
     """Load a Hugging Face checkpoint folder (bitsandbytes 4-bit, bitsandbytes 8-bit, or plain
     safetensors) as a `CausalLM`.
 
@@ -54,7 +54,9 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
       (1, 5, 128)
 
     Args:
-      path: the checkpoint folder (``config.json`` + ``model.safetensors`` or shards).
+      path: the checkpoint folder (``config.json`` + ``model.safetensors`` or shards), a Hugging
+        Face model id ``org/name[@revision]`` or a cache repo folder (`jqlora.hub.resolve_model`).
+        The model keeps the folder's absolute path as ``model.checkpoint_path``.
       lora: a `LoraConfig` to add LoRA branches to its target modules; None for none.
       compute_dtype: the dtype of activations and matmuls: the caller's choice, never the
         checkpoint's dtype.
@@ -67,6 +69,8 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
         keeps the stored dtype.
       int8_numerics: "weight_only" or "llm_int8" for 8-bit weights (see `QLoRALinear`).
       attention: "einsum", "xla" or "cudnn".
+      quantize_experts: the format of mixture-of-experts weights stored dense ("auto": NF4 in a
+        quantized checkpoint, else as `quantize`; "nf4", "fp4", "int8", or "none" to keep them).
       mesh: a `jax.sharding.Mesh` or spec ("data=2,fsdp=2", see `jqlora.parallel`): each tensor
         goes onto its shards as it is read (frozen weights cut over fsdp, the rest replicated),
         never whole onto one device. None: JAX's default device.
@@ -81,7 +85,11 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
     """
     import interop  # noqa: PLC0415  (the only jqlora.models module that touches files)
 
+    from jqlora.hub import resolve_model  # noqa: PLC0415
+
     path = os.fspath(path)
+    if os.path.isdir(path) or not os.path.exists(path):  # a Hugging Face id or cache repo folder too
+        path = os.fspath(resolve_model(path, what="load_causal_lm path"))
     # fail on config.json before reading any tensor; the checkpoint reader takes the parsed config
     config = _check_config(path) if os.path.isdir(path) else None
     mesh = None if mesh is None else parallel.resolve_mesh(mesh)
@@ -91,5 +99,8 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
                                                  config=config)
     model = from_params(params, config, lora=lora, compute_dtype=compute_dtype, quantize=quantize, rngs=rngs,
                        remat=remat, backend=backend, param_dtype=param_dtype, int8_numerics=int8_numerics,
-                       attention=attention, donate_params=True)  # the dict is ours: stack without a second copy
+                       attention=attention, donate_params=True,  # the dict is ours: stack without a second copy
+                       quantize_experts=quantize_experts)
+    model.checkpoint_path = os.path.abspath(path)  # what a run record names as the base (jqlora.train.train)
+    model.checkpoint_quantize = quantize
     return parallel.place_model(model, mesh)

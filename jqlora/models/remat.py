@@ -19,12 +19,19 @@ against `train_step.lower(...).compile().memory_analysis()` of a 4-layer float32
 256, einsum attention), it predicts 0.66-0.69 of the measured growth of temporary memory per
 token for all three policies: CPU XLA keeps more float32 intermediates; the order of the
 policies is the same.
+
+The memory a plan fits (`available_memory`): on a GPU the device's `bytes_limit`; on CPU the
+memory this process may use (`host_memory`: the smallest of the cgroup limit, RLIMIT_AS and
+MemAvailable), where the step's arrays live. `JQLORA_MEMORY_GB` caps either.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Optional
+import os
+import resource
+from pathlib import Path
+from typing import Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +80,17 @@ def mlp_chunk_for(policy: Optional[Callable], seq_len: int) -> int:
 # Of the device's memory, what a plan may use: XLA's temporaries, fragmentation and the compile
 # step's own scratch need the rest.
 HEADROOM = 0.90
+# Of the host memory a process may use (CPU), what a plan may use: the machine's other processes
+# grow after the plan reads MemAvailable, and an out-of-memory kill loses the run where recompute
+# costs about a third more compute. At SmolLM2-135M x 8 x 512 (float32, einsum attention, LoRA on
+# every linear layer) no remat is predicted 14.6 GiB (XLA's temporaries 12.1 GiB): a 24 GB
+# machine gets recompute.
+HOST_HEADROOM = 0.50
+# The memory a plan fits, in GB (10^9 bytes), instead of what the platform reports: a machine
+# shared with other work, or a limit the process cannot see.
+MEMORY_ENV = "JQLORA_MEMORY_GB"
+# cgroup limits at or above this are "no limit" (v1 writes 2^63 rounded down to a page).
+_NO_LIMIT = 1 << 60
 # What the scanned train step really keeps without remat, over the count above (float32 norm and
 # rope intermediates the count leaves out): 1.43 at 8B x 2,048 and 1.52 at 8B x 16,384 tokens on
 # an H200 (benchmarks/results/JOURNAL.md, 2026-11-26). Applied to the two policies that keep
@@ -104,13 +122,16 @@ class RematPlan:
 
     policy: the chosen policy name, or None for no remat.
     predicted: {policy name or "none": predicted peak bytes of the train step}.
-    device_bytes: the memory the plan had to fit (None: unknown, e.g. CPU).
-    reason: one line for the log."""
+    device_bytes: the memory the plan had to fit (None: unknown).
+    reason: one line for the log.
+    memory_source: where device_bytes came from ("device memory", "MemAvailable", "cgroup
+      memory.max", "RLIMIT_AS", "JQLORA_MEMORY_GB", "given")."""
 
     policy: Optional[str]
     predicted: dict
     device_bytes: Optional[int]
     reason: str
+    memory_source: str = "device memory"
 
     def log(self) -> None:
         """One log line per trace that asks for the plan (one per compiled shape), no global cache."""
@@ -203,6 +224,93 @@ def device_memory() -> Optional[int]:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
+def _read_int(path: Path) -> Optional[int]:
+    """An integer in a file (a cgroup limit, "max" = None), or None where unreadable."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_limits(proc: Path, cgroup: Path) -> list[tuple[int, str]]:
+    """The memory limits of this process's cgroup and its ancestors: v2 `memory.max` under
+    `cgroup`, v1 `memory.limit_in_bytes` under `cgroup/memory` (each at the path /proc/self/cgroup
+    names, and up to the mount's root, which is the process's own cgroup inside a container)."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    dirs = []  # (mount, relative path, limit file)
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        rel = parts[2].strip().lstrip("/")
+        if parts[0] == "0" and parts[1] == "":
+            dirs += [(cgroup, rel, "memory.max"), (cgroup / "unified", rel, "memory.max")]
+        elif "memory" in parts[1].split(","):
+            dirs.append((cgroup / "memory", rel, "memory.limit_in_bytes"))
+    out = []
+    for mount, rel, name in dirs:
+        here = mount / rel if rel else mount
+        while True:
+            value = _read_int(here / name)
+            if value is not None and value < _NO_LIMIT:
+                out.append((value, f"cgroup {name}"))
+            if here == mount or mount not in here.parents:
+                break
+            here = here.parent
+    return out
+
+
+def host_memory(*, proc: str | os.PathLike = "/proc", cgroup: str | os.PathLike = "/sys/fs/cgroup"
+                ) -> tuple[Optional[int], str]:
+    """The memory this process may use, in bytes, and what set it: the smallest of its cgroup's
+    memory limit (v2 or v1, the cgroup and its ancestors), RLIMIT_AS and `/proc/meminfo`'s
+    MemAvailable (what other processes leave). (None, "unknown") where none is readable.
+
+    Args:
+      proc, cgroup: where procfs and the cgroup file system are mounted (tests point them at
+        files of their own)."""
+    found = _cgroup_limits(Path(proc), Path(cgroup))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
+        found.append((int(soft), "RLIMIT_AS"))
+    try:
+        for line in (Path(proc) / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) * 1024, "MemAvailable"))
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(found) if found else (None, "unknown")
+
+
+def available_memory(environ: Optional[Mapping[str, str]] = None, **host_kw) -> tuple[Optional[int], str, bool]:
+    """The memory a train step may fill, in bytes, what set it, and whether it is host memory:
+    `JQLORA_MEMORY_GB` when set; else the first device's `bytes_limit` where the platform reports
+    one (GPU), else, on CPU, `host_memory()`. (None, "unknown", host) where nothing is known.
+
+    Raises:
+      SettingError: JQLORA_MEMORY_GB is not a positive number."""
+    env = os.environ if environ is None else environ
+    limit = device_memory()
+    host = limit is None and jax.default_backend() == "cpu"
+    text = env.get(MEMORY_ENV, "").strip()
+    if text:
+        try:
+            given = float(text)
+        except ValueError:
+            given = 0.0
+        if not given > 0:
+            raise SettingError(f"{MEMORY_ENV}={text!r}: expected a positive number of GB")
+        return int(given * 10**9), MEMORY_ENV, host
+    if host:
+        return (*host_memory(**host_kw), True)
+    return limit, "device memory", False
+
+
 def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] = None,
                param_bytes: Optional[int] = None, compute_dtype=jnp.bfloat16, attention: str = "cudnn",
                lora_rank: int = 16, loss_chunk: int = 256, host_bytes: Optional[int] = None) -> RematPlan:
@@ -211,8 +319,8 @@ def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] 
     Args:
       config: a `ModelConfig` or an HF config dict.
       batch, seq_len: the micro-batch shape of the train step.
-      device_bytes: the memory to fit; default: the first device's `bytes_limit`. Where none is
-        known (CPU) the plan is no remat.
+      device_bytes: the memory to fit; default: `available_memory()` (the device's `bytes_limit`
+        on a GPU, the process's RAM limit on CPU). Where none is known the plan is no remat.
       param_bytes: bytes of the model's arrays (weights and LoRA params); default: an NF4
         double-quant checkpoint of this config.
       compute_dtype, attention, lora_rank: as the model runs (they change the activations).
@@ -227,8 +335,9 @@ def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] 
       16.4 GiB of 79.1 GiB)").
     """
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    source, on_host = "given", False
     if device_bytes is None:
-        device_bytes = device_memory()
+        device_bytes, source, on_host = available_memory()
     if param_bytes is None:
         param_bytes = _default_param_bytes(cfg, compute_dtype)
     tokens = int(batch) * int(seq_len)
@@ -241,15 +350,19 @@ def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] 
         predicted[policy or "none"] = fixed + tokens * (a["kept"] + a["transient"])
         offloaded[policy or "none"] = tokens * a["host"]
     if device_bytes is None:
-        return RematPlan(None, predicted, None, f"remat: none (device memory unknown; predicted "
-                                                f"{_gib(predicted['none'])})")
+        return RematPlan(None, predicted, None, f"remat: none (memory limit unknown; predicted "
+                                                f"{_gib(predicted['none'])})", source)
+    of = _gib(device_bytes) + ("" if source in ("given", "device memory") else f" ({source})") \
+        + (f", {HOST_HEADROOM:.0%} of it usable" if on_host else "")
     if host_bytes is None:
         from jqlora._util import host_offload_limit_gb  # noqa: PLC0415
 
         host_bytes = host_offload_limit_gb() * 10**9
-    budget = HEADROOM * device_bytes
+    # on CPU the "device" is the host: nothing to offload to, and the machine is shared
+    budget = (HOST_HEADROOM if on_host else HEADROOM) * device_bytes
+    order = AUTO_ORDER[:-1] if on_host else AUTO_ORDER
     too_much_host = ""
-    for policy in AUTO_ORDER:
+    for policy in order:
         need, host = predicted[policy or "none"], offloaded[policy or "none"]
         if need <= budget and host > HEADROOM * host_bytes:
             too_much_host = (f"; {policy} would fit with {_gib(host)} of host memory, over XLA's limit of "
@@ -258,8 +371,8 @@ def remat_plan(config, batch: int, seq_len: int, *, device_bytes: Optional[int] 
         if need <= budget:
             extra = f"; {_gib(host)} of layer inputs in host memory" if host else ""
             return RematPlan(policy, predicted, device_bytes,
-                             f"remat: {policy or 'none'} (predicted {_gib(need)} of {_gib(device_bytes)}{extra})")
-    last = AUTO_ORDER[-1]
+                             f"remat: {policy or 'none'} (predicted {_gib(need)} of {of}{extra})", source)
+    last = order[-1]
     return RematPlan(last, predicted, device_bytes,
-                     f"remat: {last} (predicted {_gib(predicted[last])} of {_gib(device_bytes)}: "
-                     f"may not fit; lower the batch or sequence length{too_much_host})")
+                     f"remat: {last} (predicted {_gib(predicted[last])} of {of}: "
+                     f"may not fit; lower the batch or sequence length{too_much_host})", source)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jqlora.quant.experts import ExpertWeights, dequantize_experts, quantize_experts
 from jqlora.quant.fourbit import absmax_f32, dequantize_4bit, quantize_4bit, unpack_codes
 from jqlora.quant.int8 import dequantize_int8, quantize_int8
 from jqlora.quant.tables import BLOCKSIZES_4BIT, QUANT_TYPES, code_4bit, dynamic_map, fp4_code, nf4_code
@@ -26,4 +27,5 @@ __all__ = [
     "Weight4bit", "Int8Weight", "QuantizedWeight", "quantize_4bit", "quantize_int8", "dequantize",
     "dequantize_4bit", "dequantize_int8", "absmax_f32", "unpack_codes", "nf4_code", "fp4_code",
     "code_4bit", "dynamic_map", "QUANT_TYPES", "BLOCKSIZES_4BIT",
+    "ExpertWeights", "quantize_experts", "dequantize_experts",
 ]

@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
+OBJECTIVES = ("sft", "dpo", "grpo")
 
 
 def tensorboard_available() -> bool:
@@ -40,7 +41,7 @@ class TrainConfig:
     seed: int = 0                # data shuffle seed
     out_dir: str = "runs/jqlora"
     save_every: int = 100        # checkpoint every N steps (0: only at the end); always at the end
-    log_every: int = 10          # CSV row every N steps (and at the last step)
+    log_every: int = 10          # loss.csv row at step 1, every N steps and the last (loss: the mean since the row before)
     remat: bool | str = False    # per-layer rematerialization in the model (see train())
     packing: bool = True         # several examples per row; False: one per row, no segment mask
     eval_every: int | None = None
@@ -56,12 +57,36 @@ class TrainConfig:
     overflow: str = "truncate"   # long examples: "truncate" or "split"
     data_format: str = "auto"    # "auto" (per line, from its keys) or an examples.FORMATS key
     chat_template: str | None = None  # a Jinja file replacing the tokenizer folder's template
+    data_split: str | None = None       # the split of a datasets folder or hub id (None: "train")
+    eval_data_split: str | None = None  # the same for eval_data_path
+    text_field: str | None = None       # the column holding "text" when it has another name
+    prompt_field: str | None = None     # ... "prompt"
+    completion_field: str | None = None  # ... "completion"
+    messages_field: str | None = None   # ... the conversation (messages, or ShareGPT turns)
+    role_map: str | None = None         # ShareGPT speakers -> roles, "from=to,from=to" (added to the defaults)
     shuffle: bool = True
     keep_checkpoints: int | None = 2
     progress: bool | None = None  # tqdm bar; None: on a TTY, else plain lines
     tensorboard: bool | None = None  # event files in out_dir/tensorboard; None: if tensorboardX is installed
     resume: bool = False
     mesh: str | None = None      # "data=2,fsdp=2" (or a jax Mesh); None: every device on data
+    # objectives other than SFT (jqlora.train.preference, jqlora.train.grpo; TRL's names and meanings)
+    objective: str = "sft"       # "sft", "dpo" (prompt/chosen/rejected pairs) or "grpo" (prompts + rewards)
+    dpo_beta: float = 0.1        # DPO: beta (IPO: tau)
+    dpo_loss: str = "sigmoid"    # DPO: "sigmoid", "ipo" or "hinge"
+    dpo_label_smoothing: float = 0.0  # DPO sigmoid: conservative DPO's label smoothing
+    precompute_ref: bool = False  # DPO: reference log-probs of every pair once, before step 1
+    reward: list[str] | None = None  # GRPO: reward functions, "module:function" or "path.py:function"
+    reward_weights: str | None = None  # GRPO: comma-separated weights, one per reward (default 1 each)
+    num_generations: int = 8     # GRPO: completions per prompt (one group)
+    max_completion_length: int = 64  # GRPO: new tokens per completion at most
+    temperature: float = 1.0     # GRPO: sampling temperature (log-probs use logits / temperature)
+    top_p: float = 1.0           # GRPO: nucleus sampling
+    grpo_beta: float = 0.0       # GRPO: weight of the KL to the reference (0: no reference pass)
+    epsilon: float = 0.2         # GRPO: ratio clip, lower side (and upper side unless epsilon_high)
+    epsilon_high: float | None = None
+    grpo_loss: str = "dapo"      # GRPO: "grpo", "dr_grpo" or "dapo" normalisation
+    scale_rewards: str = "group"  # GRPO: advantages divided by the std of the "group", the "batch", or "none"
 
     def validate(self) -> None:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every"):
@@ -78,9 +103,28 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.epochs must be > 0 or None, got {self.epochs}")
         if self.warmup_ratio is not None and not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"TrainConfig.warmup_ratio must be in [0, 1] or None, got {self.warmup_ratio}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"TrainConfig.objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.objective != "sft":
+            from .objectives import validate_objective  # noqa: PLC0415 (no jax there either)
+
+            validate_objective(self)
+        _check_remat(self.remat)
         if self.tensorboard and not tensorboard_available():
             raise ValueError("TrainConfig.tensorboard is on but tensorboardX is not installed "
                              "(pip install tensorboardX)")
+
+
+def _check_remat(remat) -> None:
+    """``remat`` is a bool, "auto", a policy name or a jax.checkpoint policy (checked before a model
+    loads; the policy names are read from jqlora.models.remat only for a name other than "auto")."""
+    if isinstance(remat, bool) or remat is None or remat == "auto" or callable(remat):
+        return
+    from jqlora.models.remat import REMAT_POLICIES  # noqa: PLC0415
+
+    if not isinstance(remat, str) or remat not in REMAT_POLICIES:
+        raise ValueError(f"TrainConfig.remat must be true, false, 'auto' or a policy name "
+                         f"({', '.join(sorted(REMAT_POLICIES))}), got {remat!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Training batches: tokenized examples -> fixed-shape (packed or padded) batches, with a
-resumable iterator. Reading examples is :mod:`jqlora.train.examples`; tokenizing them is
-:mod:`jqlora.train.tokenization`.
+resumable iterator. Reading rows is :mod:`jqlora.train.sources`, examples
+:mod:`jqlora.train.examples`; tokenizing them is :mod:`jqlora.train.tokenization`.
 
 Every example becomes a *piece* of ``(inputs, targets, mask)`` with ``inputs = ids[:-1]`` and
 ``targets = ids[1:]`` (so targets never cross an example boundary). A piece holds at most
@@ -35,9 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SettingError
-from .examples import DataError, load_jsonl
-from .tokenization import (SpecialTokens, check_tokenizer_fits, data_summary, load_tokenizer,
-                           special_tokens, tokenize_examples, tokenize_file)
+from .examples import DataError, Schema
+from .tokenization import SpecialTokens, load_tokenizer, special_tokens, tokenize_source
 
 __all__ = [
     "check_training_data",
@@ -217,14 +216,20 @@ class BatchIterator:
             yield batch
 
 
-def _config_vocab_size(model_dir: str | os.PathLike) -> int | None:
-    """The vocab_size of a checkpoint folder's config.json (`interop.bnb_common.read_config`: a
-    nested text_config's when there is one); None without the file or an integer there."""
+def checkpoint_config(model_dir: str | os.PathLike | None) -> dict:
+    """A checkpoint folder's config.json (`interop.bnb_common.read_config`: a nested text_config's
+    fields when there is one); {} without a folder or the file. Read once per run by the data
+    check, which hands it on (the attention choice needs it before the model loads)."""
     from interop.bnb_common import CONFIG_FILE, read_config
 
-    if not (Path(model_dir) / CONFIG_FILE).is_file():
-        return None
-    v = read_config(model_dir).get("vocab_size")
+    if model_dir is None or not (Path(model_dir) / CONFIG_FILE).is_file():
+        return {}
+    return read_config(model_dir)
+
+
+def config_vocab_size(cfg: dict) -> int | None:
+    """The vocab_size of a checkpoint config; None when it holds no integer there."""
+    v = cfg.get("vocab_size")
     return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
 
@@ -266,19 +271,22 @@ def training_batches(config, tokenized, special: SpecialTokens, *, source: str,
 
 def check_training_data(config, model_dir: str | os.PathLike | None = None) -> dict:
     """Everything :func:`jqlora.train.train` will do to its data, done first and without a model:
-    load the tokenizer, resolve BOS/EOS, read, validate and tokenize the training (and eval) file
-    and cut it into batches. A checkpoint's weights can take minutes to load; a bad line should not
+    load the tokenizer, resolve BOS/EOS, read, validate and tokenize the training (and eval) data
+    (any source :func:`jqlora.train.sources.read_rows` takes, tokenized as it streams) and cut it
+    into batches. A checkpoint's weights can take minutes to load; a bad line should not
     wait for them. Hand ``"batches"`` and ``"eval_batches"`` to ``train(data=..., eval_data=...)``:
     the files are then read and tokenized once.
 
     Args:
-      config: a :class:`jqlora.train.TrainConfig` (its data_path, eval_data_path, tokenizer_path,
-        chat_template, data_format, bos, eos and the batch settings).
+      config: a :class:`jqlora.train.TrainConfig` (its data_path, data_split, eval_data_path,
+        eval_data_split, tokenizer_path, chat_template, data_format, the column names and
+        role_map (:meth:`~jqlora.train.examples.Schema.from_config`), bos, eos and the batch
+        settings).
       model_dir: the checkpoint folder; its config.json's vocab_size bounds the tokenizer's ids.
 
     Returns:
       ``{"train": summary, "eval": summary or None, "batches": BatchIterator, "eval_batches":
-      BatchIterator or None}``; a summary is :func:`~jqlora.train.tokenization.check_data`'s.
+      BatchIterator or None, "model_config": model_dir's config.json or {}}``; a summary is :func:`~jqlora.train.tokenization.check_data`'s.
 
     Raises:
       DataError: the first problem, naming the file (and line); also training data without a
@@ -287,13 +295,17 @@ def check_training_data(config, model_dir: str | os.PathLike | None = None) -> d
     """
     tok = load_tokenizer(config.tokenizer_path, chat_template=getattr(config, "chat_template", None))
     special = special_tokens(tok, bos=config.bos, eos=config.eos, tokenizer_path=config.tokenizer_path)
-    vocab = _config_vocab_size(model_dir) if model_dir is not None else None
+    model_cfg = checkpoint_config(model_dir)
+    vocab = config_vocab_size(model_cfg)
     fmt = getattr(config, "data_format", "auto")
-    examples, tokenized = tokenize_file(config.data_path, tok, special, format=fmt, vocab_size=vocab)
-    out = {"train": data_summary(examples, tokenized), "eval": None, "eval_batches": None}
-    if getattr(config, "eval_data_path", None):  # every file's lines are checked before the batches
-        eval_examples, eval_tokenized = tokenize_file(config.eval_data_path, tok, special, format=fmt)
-        out["eval"] = data_summary(eval_examples, eval_tokenized)
+    schema = Schema.from_config(config)
+    summary, tokenized = tokenize_source(config.data_path, tok, special, format=fmt, vocab_size=vocab,
+                                         schema=schema, split=getattr(config, "data_split", None))
+    out = {"train": summary, "eval": None, "eval_batches": None, "model_config": model_cfg}
+    if getattr(config, "eval_data_path", None):  # every source's rows are checked before the batches
+        out["eval"], eval_tokenized = tokenize_source(config.eval_data_path, tok, special, format=fmt,
+                                                      schema=schema,
+                                                      split=getattr(config, "eval_data_split", None))
         out["eval_batches"] = training_batches(config, eval_tokenized, special,
                                                source=str(config.eval_data_path), eval_=True)
     out["batches"] = training_batches(config, tokenized, special, source=str(config.data_path))
@@ -305,14 +317,14 @@ def make_batch_iterator(data_path: str | os.PathLike, tokenizer, *, seq_len: int
                         shuffle: bool = True, special: SpecialTokens | None = None,
                         vocab_size: int | None = None, overflow: str = "truncate",
                         tokenizer_path: str | os.PathLike | None = None,
-                        format: str = "auto") -> BatchIterator:
-    """JSONL file -> :class:`BatchIterator` (validates the tokenizer against ``vocab_size``)."""
-    if vocab_size is not None:
-        check_tokenizer_fits(tokenizer, vocab_size)
+                        format: str = "auto", schema: Schema | None = None,
+                        split: str | None = None) -> BatchIterator:
+    """Data source (file, ``datasets`` folder, cached hub id) -> :class:`BatchIterator`
+    (validates the tokenizer against ``vocab_size``)."""
     if special is None:
         special = special_tokens(tokenizer, tokenizer_path=tokenizer_path)
-    examples = load_jsonl(data_path, format=format)
-    tokenized = tokenize_examples(tokenizer, examples, special)
+    _, tokenized = tokenize_source(data_path, tokenizer, special, format=format, vocab_size=vocab_size,
+                                   schema=schema, split=split)
     return BatchIterator(tokenized, seq_len=seq_len, batch_size=batch_size, packing=packing,
                          seed=seed, shuffle=shuffle, pad_id=special.pad_id, overflow=overflow)
 

@@ -32,6 +32,7 @@ files in ``tensorboard/`` (:mod:`jqlora.train.metrics`) and ``checkpoints/step_X
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import sys
@@ -48,11 +49,11 @@ from .checkpoint import (STATE_FILE, NonFiniteStateError, latest_checkpoint, lis
                          remove_stale_saves, restore_checkpoint, save_checkpoint)
 from .config import TrainConfig, resolve_run_length, tensorboard_available
 from .data import SegmentTables, training_batches
-from .examples import Example, load_jsonl, parse_example
+from .examples import Example, Schema, parse_example
 from .metrics import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, MetricsLog, write_loss_plot
 from .optim import make_optimizer, make_schedule, schedule_table
 from .step import evaluate, train_step
-from .tokenization import check_tokenizer_fits, load_tokenizer, special_tokens, tokenize_examples
+from .tokenization import check_tokenizer_fits, load_tokenizer, special_tokens, tokenize_examples, tokenize_source
 from .. import parallel
 from ..ops import sharding
 
@@ -97,6 +98,9 @@ class TrainResult:
     stopped_early: bool = False
     skipped_batches: int = 0                   # steps' batches without a supervised token (whole run)
     total_steps: int = 0                       # the run's length (from epochs when those were set)
+    # objectives other than SFT: every step's metrics (loss.csv's columns), each evaluation's
+    metrics: list[dict] = dataclasses.field(default_factory=list)
+    eval_metrics: list[tuple[int, dict]] = dataclasses.field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,17 +114,18 @@ def _model_vocab_size(model) -> int | None:
     return getattr(cfg, "vocab_size", None)
 
 
-def _as_examples(data: Sequence, format: str = "auto") -> list[Example]:
+def _as_examples(data: Sequence, format: str = "auto", schema: Schema | None = None) -> list[Example]:
     out = []
     for i, ex in enumerate(data, start=1):
         out.append(ex if isinstance(ex, Example)
-                   else parse_example(ex, source="<data argument>", line=i, format=format))
+                   else parse_example(ex, source="<data argument>", line=i, format=format, schema=schema))
     return out
 
 
 def _build_iterator(config: TrainConfig, data, tokenizer, model, *, eval_: bool = False):
-    """data: None (use the config's path), a path, a sequence of examples (dicts or Example),
-    or an iterator with ``__next__``/``state_dict``/``load_state_dict`` (used as is)."""
+    """data: None (use the config's path), a path (a data file, a ``datasets`` folder or a cached
+    hub dataset id: :func:`jqlora.train.sources.read_rows`), a sequence of examples (dicts or
+    Example), or an iterator with ``__next__``/``state_dict``/``load_state_dict`` (used as is)."""
     if data is not None and hasattr(data, "__next__") and hasattr(data, "state_dict"):
         return data
     path = config.eval_data_path if eval_ else config.data_path
@@ -139,11 +144,13 @@ def _build_iterator(config: TrainConfig, data, tokenizer, model, *, eval_: bool 
         check_tokenizer_fits(tokenizer, vocab)
     special = special_tokens(tokenizer, bos=config.bos, eos=config.eos,
                              tokenizer_path=config.tokenizer_path)
+    schema = Schema.from_config(config)
     if isinstance(data, (str, os.PathLike)):
-        examples = load_jsonl(data, format=config.data_format)
+        split = config.eval_data_split if eval_ else config.data_split
+        _, tokenized = tokenize_source(data, tokenizer, special, format=config.data_format, schema=schema,
+                                       split=split)
     else:
-        examples = _as_examples(data, config.data_format)
-    tokenized = tokenize_examples(tokenizer, examples, special)
+        tokenized = tokenize_examples(tokenizer, _as_examples(data, config.data_format, schema), special)
     return training_batches(config, tokenized, special, eval_=eval_,
                             source=str(data) if isinstance(data, (str, os.PathLike)) else "<data argument>")
 
@@ -195,6 +202,14 @@ def _apply_remat(model, remat) -> None:
                   "mutable config.remat field: training without rematerialization", stacklevel=3)
 
 
+def _prepare_one_device(model, optimizer, config) -> None:
+    """A run's set-up on one device once its checkpoint is restored (the objectives' loop)."""
+    _remove_stale_temp(Path(config.out_dir))
+    _apply_remat(model, config.remat)
+    _commit(model)
+    _commit(optimizer)
+
+
 def _commit(obj) -> None:
     """Commit every array of ``obj``'s state to its current sharding (no copy). The train step's
     outputs are committed; without this the first step sees uncommitted inputs and the second
@@ -215,8 +230,13 @@ def _stack(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=None,
           on_step: Callable[[int, dict], Any] | None = None,
           resume: bool | None = None, on_ready: Callable[[], Any] | None = None,
-          lock: bool = True) -> TrainResult:
+          lock: bool = True, model_path: str | os.PathLike | None = None) -> TrainResult:
     """Train the model's ``nnx.LoRAParam`` variables in place; everything else stays frozen.
+
+    ``config.objective`` "dpo" (preference pairs) or "grpo" (prompts + reward functions) runs
+    :func:`jqlora.train.objective_loop.train_objective` instead of the SFT loop described here,
+    with the same arguments (``data``: a path, a list of row dicts, or what
+    ``check_objective_data`` returned) and outputs (docs/training.md, "Preference and RL training").
 
     Steps overlap with the host: without ``on_step``, step N's metrics are read (and logged) after
     step N + 1 is dispatched, except at checkpoints, evals and the last step, where the host waits
@@ -245,7 +265,12 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
       on_ready: ``on_ready(config)`` runs once every check has passed (data loaded, checkpoint
         restored), before anything in ``out_dir`` changes, with the run's resolved config
         (``steps`` and ``warmup`` counted from ``epochs`` and ``warmup_ratio``): ``jqlora train``
-        writes its run record there, so that a refused or failed run leaves it untouched.
+        writes its run record there, so that a refused or failed run leaves it untouched. Default:
+        write the run record of this call (:func:`jqlora.train.run_record.write_api_record`), so
+        that ``jqlora export-peft`` / ``export-merged`` take ``out_dir``.
+      model_path: the base model's folder for that record (default: ``model.checkpoint_path``,
+        which :func:`jqlora.models.load_causal_lm` sets; unknown: the record says none and
+        export asks for ``--model``).
       lock: hold ``out_dir``'s writer lock (:func:`jqlora.train.lock.lock_run_dir`) while training;
         False when the caller already holds it.
 
@@ -261,6 +286,10 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
       jqlora.train.lock.RunLockedError: another process holds ``out_dir``'s lock.
     """
     config.validate()
+    if on_ready is None:
+        from .run_record import write_api_record
+
+        on_ready = functools.partial(write_api_record, model=model, model_path=model_path)
     if not lock:
         return _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
     from .lock import lock_run_dir
@@ -272,6 +301,13 @@ def train(model, config: TrainConfig, *, data=None, tokenizer=None, eval_data=No
 def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready) -> TrainResult:
     """:func:`train` once ``out_dir`` is locked."""
     resume = config.resume if resume is None else resume
+    if config.objective != "sft":  # DPO, GRPO: jqlora.train.objective_loop
+        from .objective_loop import make_task, train_objective
+
+        return train_objective(model, config, make_task, data=data, tokenizer=tokenizer,
+                               eval_data=eval_data, on_step=on_step, resume=resume, on_ready=on_ready,
+                               result_type=TrainResult, non_finite_error=NonFiniteLossError,
+                               prepare=_prepare_one_device)
     out_dir = Path(config.out_dir)
     ckpt_dir = out_dir / CKPT_DIR
 

@@ -3,6 +3,11 @@ plot drawn from them, TensorBoard scalars and the progress on stderr (a tqdm bar
 plain lines in a log file). :func:`jqlora.train.train` hands each finished step and each evaluation
 to one :class:`MetricsLog` and draws the plot with :func:`write_loss_plot`.
 
+``loss.csv`` has a row at step 1, every ``log_every``-th step and the last step; its ``loss`` is
+the mean of the steps' losses since the previous row (so a row at step 20 with ``log_every`` 10
+averages steps 11-20), its ``lr`` and ``grad_norm`` are the row's step's, its ``tokens_per_s`` the
+window's rate.
+
 TensorBoard: event files in ``<out_dir>/tensorboard/`` (scalars ``train/loss``, ``train/lr``,
 ``train/grad_norm``, ``train/tokens_per_s`` at the steps ``loss.csv`` logs, with the same values;
 ``eval/loss`` and ``eval/perplexity`` at the steps ``eval.csv`` logs), written with tensorboardX.
@@ -183,11 +188,20 @@ class MetricsLog:
 
     def __init__(self, out_dir: Path, *, start: int, total: int, resumed: bool, log_every: int,
                  evaluating: bool, tensorboard: bool, progress: bool | None,
-                 progress_every_s: float):
+                 progress_every_s: float, columns: Sequence[str] = (),
+                 eval_columns: Sequence[str] | None = None, shown: Sequence[str] = ()):
+        # columns: an objective's metrics after TRAIN_COLUMNS (train/<name> in TensorBoard; per
+        # row the mean over the steps since the row before, as the loss);
+        # eval_columns: its eval.csv columns after "step" (see evaluation_metrics); shown: those
+        # of `columns` the bar and the plain lines print
         keep = start if resumed else None
         self.total, self.start, self.log_every = total, start, log_every
-        self._csv = CsvLog(out_dir / CSV_NAME, TRAIN_COLUMNS, keep_upto=keep)
-        self._eval_csv = (CsvLog(out_dir / EVAL_CSV_NAME, EVAL_COLUMNS, keep_upto=keep)
+        self._columns, self._shown = tuple(columns), tuple(shown)
+        self._window_cols: dict[str, float] = {}
+        self._eval_columns = tuple(eval_columns or ())
+        self._csv = CsvLog(out_dir / CSV_NAME, TRAIN_COLUMNS + self._columns, keep_upto=keep)
+        eval_header = EVAL_COLUMNS if eval_columns is None else ("step", *eval_columns)
+        self._eval_csv = (CsvLog(out_dir / EVAL_CSV_NAME, eval_header, keep_upto=keep)
                           if evaluating else None)
         self._tb_dir = out_dir / TB_DIR if tensorboard else None
         self._tb: EventFile | None = None  # opened at the first scalar: a call with no step writes none
@@ -201,6 +215,7 @@ class MetricsLog:
         self._t_start = time.perf_counter()
         self.start_clock()
         self._window_tokens = self._line_tokens = 0
+        self._window_loss, self._window_steps = 0.0, 0  # loss.csv's mean since its previous row
 
     def start_clock(self) -> None:
         """Time the next step from now (once its batch is ready and the step is about to go)."""
@@ -218,27 +233,45 @@ class MetricsLog:
             self._window_t0 += d
             self._line_t0 += d
 
+    def logs_at(self, step: int) -> bool:
+        """Whether ``loss.csv`` (and TensorBoard) get a row at ``step``: step 1, every
+        ``log_every``-th step and the last one."""
+        return step == 1 or step % self.log_every == 0 or step == self.total
+
     def step(self, step: int, m: dict, tokens: int) -> float:
-        """Record a finished step (``m``: loss, lr, grad_norm); returns its tokens/s."""
+        """Record a finished step (``m``: loss, lr, grad_norm); returns its tokens/s. A
+        ``loss.csv`` row's loss is the mean over the steps since the row before (this call's
+        first step, for the first row); lr and grad_norm are the row's step's."""
         now = time.perf_counter()
         tps = tokens / max(now - self._t_prev, 1e-9)
         self._t_prev = now
         self._window_tokens += tokens
         self._line_tokens += tokens
-        if step % self.log_every == 0 or step == self.total:
+        self._window_loss += float(m["loss"])
+        self._window_steps += 1
+        for c in self._columns:  # an objective's metrics: means over the window, as the loss
+            self._window_cols[c] = self._window_cols.get(c, 0.0) + float(m[c])
+        if self.logs_at(step):
             rate = f"{self._window_tokens / max(now - self._window_t0, 1e-9):.2f}"
-            self._csv.write([step, repr(m["loss"]), repr(m["lr"]), rate, repr(m["grad_norm"])])
-            self._scalars(step, {"train/loss": m["loss"], "train/lr": m["lr"],
-                                 "train/grad_norm": m["grad_norm"], "train/tokens_per_s": float(rate)})
+            loss = self._window_loss / self._window_steps
+            cols = {c: self._window_cols[c] / self._window_steps for c in self._columns}
+            self._csv.write([step, repr(loss), repr(m["lr"]), rate, repr(m["grad_norm"])]
+                            + [repr(cols[c]) for c in self._columns])
+            self._window_loss, self._window_steps, self._window_cols = 0.0, 0, {}
+            self._scalars(step, {"train/loss": loss, "train/lr": m["lr"],
+                                 "train/grad_norm": m["grad_norm"], "train/tokens_per_s": float(rate),
+                                 **{f"train/{c}": cols[c] for c in self._columns}})
             self._window_tokens, self._window_t0 = 0, now
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{m['loss']:.4f}", grad_norm=f"{m['grad_norm']:.3g}",
-                              tok_s=f"{tps:,.0f}", lr=f"{m['lr']:.2e}")
+                              tok_s=f"{tps:,.0f}", lr=f"{m['lr']:.2e}",
+                              **{c: f"{m[c]:.4g}" for c in self._shown})
         if self._plain and (step == self.start + 1 or step == self.total
                             or now - self._line_t0 >= self._every_s):
             s = int(now - self._t_start)
             print(f"train: step {step}/{self.total}  loss {m['loss']:.4f}  "
                   f"grad_norm {m['grad_norm']:.4g}  lr {m['lr']:.2e}  "
+                  + "".join(f"{c} {m[c]:.4g}  " for c in self._shown) +
                   f"tokens/s {self._line_tokens / max(now - self._line_t0, 1e-9):,.0f}  "
                   f"elapsed {s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}", file=sys.stderr, flush=True)
             self._line_t0, self._line_tokens = now, 0
@@ -250,6 +283,12 @@ class MetricsLog:
         self._eval_csv.write([step, repr(loss), repr(ppl)])
         self._scalars(step, {"eval/loss": loss, "eval/perplexity": ppl})
         return ppl
+
+    def evaluation_metrics(self, step: int, metrics: dict) -> None:
+        """Record an objective's evaluation: ``metrics`` has the ``eval_columns`` given at
+        construction (eval.csv; ``eval/<name>`` in TensorBoard)."""
+        self._eval_csv.write([step] + [repr(float(metrics[c])) for c in self._eval_columns])
+        self._scalars(step, {f"eval/{c}": metrics[c] for c in self._eval_columns})
 
     def _scalars(self, step: int, values: dict[str, float]) -> None:
         if self._tb_dir is None:

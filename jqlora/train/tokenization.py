@@ -1,5 +1,6 @@
 """Tokenizers and tokenization: load a tokenizer, resolve its BOS/EOS/PAD ids, and turn
-:class:`~jqlora.train.examples.Example` objects into token ids and training-target masks."""
+:class:`~jqlora.train.examples.Example` objects into token ids and training-target masks; a data
+source is tokenized as it streams (:func:`tokenize_source`), only the token arrays kept."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,12 +9,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .examples import DataError, Example, load_jsonl
+from .examples import DataError, Example, Schema, read_examples
 
 __all__ = [
     "check_data",
-    "data_summary",
-    "tokenize_file",
+    "tokenize_source",
     "SpecialTokens",
     "load_tokenizer",
     "check_tokenizer_fits",
@@ -156,7 +156,7 @@ def tokenize_example(tokenizer, example: Example, special: SpecialTokens
     """-> ``(ids int32 (n,), trained bool (n,))``; ``trained[i]`` says whether token ``i`` is a
     training target. BOS (if any) is never a target; EOS (if any) is. A conversation gets the
     ids of its chat template (no BOS/EOS added), its assistant tokens the targets."""
-    where = f"{example.source}, line {example.line}"
+    where = example.where
     if example.messages is not None:
         return _tokenize_chat(tokenizer, example.messages, where)
     bos = [special.bos_id] if special.bos_id is not None else []
@@ -169,13 +169,12 @@ def tokenize_example(tokenizer, example: Example, special: SpecialTokens
         p = _encode(tokenizer, example.prompt)
         c = _encode(tokenizer, example.completion)
         if not c:
-            raise DataError(f"{example.source}, line {example.line}: completion tokenizes to "
-                            f"no tokens")
+            raise DataError(f"{where}: completion tokenizes to no tokens")
         ids = bos + p + c + eos
         trained = [False] * (len(bos) + len(p)) + [True] * (len(c) + len(eos))
     if len(ids) < 2:
-        raise DataError(f"{example.source}, line {example.line}: example tokenizes to "
-                        f"{len(ids)} token(s); need at least 2 (one input, one target)")
+        raise DataError(f"{where}: example tokenizes to {len(ids)} token(s); need at least 2 "
+                        f"(one input, one target)")
     return np.asarray(ids, np.int32), np.asarray(trained, bool)
 
 
@@ -202,44 +201,46 @@ def tokenize_examples(tokenizer, examples: Sequence[Example], special: SpecialTo
 
 
 def check_data(data_path: str | os.PathLike, tokenizer, special: SpecialTokens, *,
-               format: str = "auto", vocab_size: int | None = None) -> dict:
-    """Read, validate and tokenize a whole JSONL file (what training does first), so that a bad
-    line is reported before a model is loaded.
+               format: str = "auto", vocab_size: int | None = None, schema: Schema | None = None,
+               split: str | None = None) -> dict:
+    """Read, validate and tokenize a whole data source (what training does first), so that a bad
+    row is reported before a model is loaded: :func:`tokenize_source`'s summary."""
+    return tokenize_source(data_path, tokenizer, special, format=format, vocab_size=vocab_size,
+                           schema=schema, split=split)[0]
+
+
+def tokenize_source(data_path: str | os.PathLike, tokenizer, special: SpecialTokens, *,
+                    format: str = "auto", vocab_size: int | None = None, schema: Schema | None = None,
+                    split: str | None = None) -> tuple[dict, list[tuple[np.ndarray, np.ndarray]]]:
+    """Read, validate and tokenize a data source a row at a time (any source
+    :func:`jqlora.train.sources.read_rows` takes): ``(summary, tokenized)``, where ``tokenized``
+    is what a :class:`~jqlora.train.data.BatchIterator` is built from. Only the token arrays are
+    kept, never the rows or their text.
 
     Args:
-      data_path: the JSONL file.
+      data_path: a data file, a ``datasets`` folder or a cached hub dataset id.
       tokenizer: from :func:`load_tokenizer`.
       special: the BOS/EOS/PAD ids (:func:`special_tokens`).
-      format: "auto" or a key of :data:`FORMATS`.
+      format: "auto" or a key of :data:`~jqlora.train.examples.FORMATS`.
       vocab_size: when given, the tokenizer's ids must fit it.
+      schema: other column names and the ShareGPT role map (:class:`~jqlora.train.examples.Schema`).
+      split: the split of a folder or dataset id (default "train").
 
     Returns:
-      ``{"examples", "formats" ({format: count}), "tokens", "trained_tokens"}``.
+      ``({"examples", "formats" ({format: count}), "tokens", "trained_tokens"}, tokenized)``.
 
     Raises:
-      DataError: naming the file and line of the first bad example.
+      DataError: naming the file and row of the first bad example.
     """
-    return data_summary(*tokenize_file(data_path, tokenizer, special, format=format, vocab_size=vocab_size))
-
-
-def tokenize_file(data_path: str | os.PathLike, tokenizer, special: SpecialTokens, *,
-                  format: str = "auto", vocab_size: int | None = None
-                  ) -> tuple[list[Example], list[tuple[np.ndarray, np.ndarray]]]:
-    """Read, validate and tokenize a whole JSONL file: ``(examples, tokenized)``, what
-    :func:`check_data` summarizes and a :class:`~jqlora.train.data.BatchIterator` is built from.
-    Arguments and errors as :func:`check_data`'s."""
     if vocab_size is not None:
         check_tokenizer_fits(tokenizer, vocab_size)
-    examples = load_jsonl(data_path, format=format)
-    return examples, tokenize_examples(tokenizer, examples, special)
-
-
-def data_summary(examples: Sequence[Example], tokenized) -> dict:
-    """``{"examples", "formats" ({format: count}), "tokens", "trained_tokens"}`` of tokenized
-    examples (:func:`tokenize_file`)."""
     formats: dict[str, int] = {}
-    for ex in examples:
+    tokenized, tokens, trained_tokens = [], 0, 0
+    for ex in read_examples(data_path, format=format, schema=schema, split=split):
+        ids, trained = tokenize_example(tokenizer, ex, special)
+        tokenized.append((ids, trained))
         formats[ex.format] = formats.get(ex.format, 0) + 1
-    return {"examples": len(examples), "formats": formats,
-            "tokens": int(sum(len(ids) for ids, _ in tokenized)),
-            "trained_tokens": int(sum(int(t.sum()) for _, t in tokenized))}
+        tokens += len(ids)
+        trained_tokens += int(trained.sum())
+    return ({"examples": len(tokenized), "formats": formats, "tokens": tokens,
+             "trained_tokens": trained_tokens}, tokenized)

@@ -226,7 +226,8 @@ def test_remat_plan_orders_policies_and_fits_the_device():
     mid = models.remat_plan(cfg, 1, 8192, device_bytes=int(long["dots_with_no_batch_dims_saveable"] / 0.9) + 1,
                             attention="einsum")
     assert mid.policy == "dots_with_no_batch_dims_saveable"
-    assert models.remat_plan(cfg, 1, 2048, device_bytes=None).policy is None  # CPU: no remat
+    # CPU: the host memory this process may use (tests/models/test_remat_auto.py)
+    assert models.remat_plan(cfg, 1, 2048, device_bytes=None).memory_source != "device memory"
 
 
 def test_remat_auto_model_runs_and_matches_no_remat():

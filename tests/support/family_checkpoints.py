@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of the other model families (Gemma 2, Gemma 3 text, Gemma 3 multimodal),
+"""Tiny random checkpoints of the other model families (Gemma 2, Gemma 3 text, Gemma 3 multimodal, Phi-3),
 made with transformers (+ bitsandbytes) on CPU, as `checkpoint_factory` makes Llama ones.
 
 Not a test module: tests import it by name (tests/conftest.py puts tests/support on sys.path).
@@ -21,6 +21,18 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 GEMMA2 = dict(model_type="gemma2", sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
               final_logit_softcapping=3.0, **TINY)
 GEMMA3 = dict(model_type="gemma3_text", sliding_window=6, query_pre_attn_scalar=24, **TINY)
+
+# Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, LongRoPE with an original length (8) shorter
+# than the tests' sequences (so the long factors apply to them), partial rotary (0.75: 24 of 32
+# features turn) and a window shorter than the sequence.
+# Phi3Config checks the factors' length against hidden_size / heads (not head_dim): no head_dim here.
+_ROT = int(32 * 0.75) // 2
+PHI3 = dict({k: v for k, v in TINY.items() if k != "head_dim"}, hidden_size=128, num_hidden_layers=4,
+            model_type="phi3", sliding_window=12, original_max_position_embeddings=8, pad_token_id=0,
+            rope_scaling=dict(type="longrope", short_factor=[1.0 + 0.1 * i for i in range(_ROT)],
+                              long_factor=[1.5 + 0.7 * i for i in range(_ROT)]),
+            partial_rotary_factor=0.75)
+FAMILIES = {"gemma2": GEMMA2, "gemma3": GEMMA3, "phi3": PHI3}
 
 _CACHE: dict = {}
 
@@ -86,13 +98,15 @@ def save(model, directory, quant: str | None = None, dtype=torch.float32) -> Pat
 
 
 def cached(tmp_path_factory, kind: str, quant: str | None = None) -> Path:
-    """The checkpoint of `kind` ("gemma2", "gemma3", "gemma3_mm") in format `quant`, built once per
-    session. Read-only."""
+    """The checkpoint of `kind` ("gemma2", "gemma3", "gemma3_mm", "phi3") in format `quant` (None:
+    float32, "bf16", "nf4", "int8"), built once per session. Read-only."""
     key = (kind, quant)
     path = _CACHE.get(key)
     if path is None or not path.exists():
-        model = multimodal_gemma3() if kind == "gemma3_mm" else text_model({"gemma2": GEMMA2, "gemma3": GEMMA3}[kind])
-        path = save(model, tmp_path_factory.mktemp(f"{kind}-{quant}"), quant)
+        model = multimodal_gemma3() if kind == "gemma3_mm" else text_model(FAMILIES[kind])
+        if quant == "bf16":  # a plain bfloat16 folder, as real checkpoints are stored
+            model, quant = model.to(torch.bfloat16), None
+        path = save(model, tmp_path_factory.mktemp(f"{kind}-{key[1]}"), quant)
         _CACHE[key] = path
     return path
 

@@ -333,13 +333,15 @@ def test_loss_decreases_and_only_lora_changes(tmp_path, tok_path):
         nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))))]
     for a, b in zip(frozen_before, frozen_after):
         np.testing.assert_array_equal(a, b)
-    # CSV: one row per logged step (every 5 of 40), PNG written
+    # CSV: a row at step 1, then every 5 of 40, each loss the mean since the row before; PNG written
     with open(res.csv_path) as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "loss", "lr", "tokens_per_s", "grad_norm"]
-    assert [int(r[0]) for r in rows[1:]] == list(range(5, 41, 5))
-    assert float(rows[-1][1]) == pytest.approx(res.losses[-1])
-    assert [float(r[4]) for r in rows[1:]] == res.grad_norms[4::5]
+    assert [int(r[0]) for r in rows[1:]] == [1] + list(range(5, 41, 5))
+    assert float(rows[1][1]) == pytest.approx(res.losses[0])
+    assert float(rows[2][1]) == pytest.approx(np.mean(res.losses[1:5]))
+    assert float(rows[-1][1]) == pytest.approx(np.mean(res.losses[35:]))
+    assert [float(r[4]) for r in rows[2:]] == res.grad_norms[4::5]
     assert res.png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # eval mode is restored to train mode afterwards, eval works
     ev = T.evaluate(model, T.make_batch_iterator(data, T.load_tokenizer(tok_path), seq_len=32,

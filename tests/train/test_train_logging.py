@@ -253,10 +253,12 @@ def test_tensorboard_scalars_equal_the_csvs_across_a_resume(tmp_path, tok_path):
     assert [f.name.split(".")[-2] for f in files] == ["step00000001", "step00000005"]
     header, rows = read_csv(out / "loss.csv")
     assert header == ["step", "loss", "lr", "tokens_per_s", "grad_norm"]
-    assert [int(r[0]) for r in rows] == [2, 4, 6, 8]  # 6 logged again after the resume from 4
-    for r in rows[2:]:  # this call's steps: the CSV's values are the step's own
+    assert [int(r[0]) for r in rows] == [1, 2, 4, 6, 8]  # step 1, then every 2; 6 again after the resume from 4
+    for r, window in zip(rows[3:], ((5, 6), (7, 8))):  # this call's rows: the loss is the window's mean
         i = res.steps.index(int(r[0]))
-        assert [float(r[1]), float(r[2]), float(r[4])] == [res.losses[i], res.lrs[i], res.grad_norms[i]]
+        mean = sum(res.losses[res.steps.index(s)] for s in window) / len(window)
+        assert [float(r[1]), float(r[2]), float(r[4])] == [pytest.approx(mean, rel=1e-12), res.lrs[i], res.grad_norms[i]]
+    assert res.losses[0] != res.losses[1]  # so the mean differs from the row's own step's loss
     tb = tensorboard_scalars(out / "tensorboard")
     assert set(tb) == {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
                        "eval/loss", "eval/perplexity"}
@@ -322,8 +324,8 @@ def test_cli_epochs_record_resume_and_progress_lines(nf4_model, tmp_path, capsys
 @pytest.mark.parametrize("extra, needle", [
     (["--epochs", 2, "--steps", 5], "--epochs and --steps both given"),
     (["--warmup", 2, "--warmup-ratio", 0.1], "--warmup-ratio and --warmup both given"),
-    (["--epochs", 0], "TrainConfig.epochs must be > 0"),
-    (["--warmup-ratio", 1.5], "TrainConfig.warmup_ratio must be in [0, 1]"),
+    (["--epochs", 0], "--epochs must be > 0"),  # the CLI names flags, not TrainConfig fields
+    (["--warmup-ratio", 1.5], "--warmup-ratio must be in [0, 1]"),
 ])
 def test_cli_refuses_conflicting_or_bad_lengths(nf4_model, tmp_path, capsys, extra, needle):  # noqa: F811
     rc, _, err = run_cli(capsys, *train_args(nf4_model, tmp_path / "r", *extra))

@@ -1,0 +1,270 @@
+"""Mixture-of-experts QLoRA training step: jqlora vs transformers + PEFT + bitsandbytes, same GPU.
+
+A Qwen3-30B-A3B-shaped model (48 layers, 128 experts top-8, hidden 2048, expert size 768, 32 heads /
+4 KV heads of 128, vocab 151936; `--layers` shrinks the depth), random weights, LoRA r=16 (alpha 32)
+on attention and experts, one row of 2048 tokens, per-layer remat / gradient checkpointing, AdamW.
+
+* jqlora: NF4 everywhere (attention and experts, blocksize 64, double quant; routers and
+  embeddings dense bf16), experts through `jqlora.ops.qgmm`.
+* transformers + PEFT: attention as bitsandbytes `Linear4bit` NF4, experts in bf16 (what
+  transformers + bitsandbytes give: they do not quantize 3-D expert parameters), LoRA through
+  `target_parameters`; its `grouped_mm` experts path. "out of memory" is a result.
+
+    python -m benchmarks.moe_bench --out benchmarks/results/latest          # both sides, one process each
+    python -m benchmarks.moe_bench --side jax --layers 8 --steps 3           # one side, printed
+    python -m benchmarks.moe_bench --tiny                                    # CPU smoke run
+
+Each side runs in its own process when both are asked for (peak memory is process-wide) and
+reports the median step time, tokens/s and peak device memory.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                     hidden_act="silu", decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False)
+TINY = dict(QWEN3_30B_A3B, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+            num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=256, max_position_embeddings=256)
+RANK, ALPHA = 16, 32
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def config(tiny: bool, layers: int | None) -> dict:
+    c = dict(TINY if tiny else QWEN3_30B_A3B)
+    if layers is not None:
+        c["num_hidden_layers"] = int(layers)
+    return c
+
+
+def active_params(c: dict) -> int:
+    """Parameters a token multiplies (attention + k experts + router per layer), no embeddings."""
+    h, d, L = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
+    attn = h * c["num_attention_heads"] * d * 2 + h * c["num_key_value_heads"] * d * 2
+    experts = c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    return L * (attn + experts + c["num_experts"] * h)
+
+
+def _params_jax(c: dict, seed: int = 0) -> dict:
+    """HF-keyed params: attention and expert stacks as random NF4 (made and quantized on device, one
+    weight at a time), routers, norms, embeddings and head dense bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    from jqlora import quant
+
+    key = jax.random.key(seed)
+    h, e, i = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"]
+    qf, kf = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    quantize = jax.jit(lambda k, shape: quant.quantize_4bit(jax.random.normal(k, shape, jnp.bfloat16) * 0.02),
+                       static_argnums=1)
+    dense = jax.jit(lambda k, shape, s: (jax.random.normal(k, shape, jnp.float32) * s).astype(jnp.bfloat16),
+                    static_argnums=(1, 2))
+    p = {"model.embed_tokens.weight": dense(key, (c["vocab_size"], h), 0.02),
+         "lm_head.weight": dense(jax.random.fold_in(key, 1), (c["vocab_size"], h), 0.02),
+         "model.norm.weight": jnp.ones((h,), jnp.bfloat16)}
+    for layer in range(c["num_hidden_layers"]):
+        pre = f"model.layers.{layer}"
+        k = jax.random.fold_in(key, 100 + layer)
+        for j, (n, shape) in enumerate((("self_attn.q_proj", (qf, h)), ("self_attn.k_proj", (kf, h)),
+                                        ("self_attn.v_proj", (kf, h)), ("self_attn.o_proj", (h, qf)))):
+            p[f"{pre}.{n}"] = quantize(jax.random.fold_in(k, j), shape)
+        p[f"{pre}.mlp.experts.gate_up_proj"] = quantize(jax.random.fold_in(k, 10), (e, 2 * i, h))
+        p[f"{pre}.mlp.experts.down_proj"] = quantize(jax.random.fold_in(k, 11), (e, h, i))
+        p[f"{pre}.mlp.gate.weight"] = dense(jax.random.fold_in(k, 12), (e, h), 0.5)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            p[f"{pre}.{n}.weight"] = jnp.ones((h,), jnp.bfloat16)
+        for n in ("q_norm", "k_norm"):
+            p[f"{pre}.self_attn.{n}.weight"] = jnp.ones((c["head_dim"],), jnp.bfloat16)
+    return p
+
+
+def _peak_gib() -> float:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", 0) / 2**30
+
+
+def run_jax(c: dict, seq: int, steps: int, tiny: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jqlora import lora, models
+
+    t0 = time.perf_counter()
+    dtype = jnp.float32 if tiny else jnp.bfloat16
+    model = models.from_params(_params_jax(c), c, compute_dtype=dtype, remat=not tiny, donate_params=True,
+                               lora=lora.LoraConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear"))
+    build_s = time.perf_counter() - t0
+    graphdef, lstate, rest = nnx.split(model, nnx.LoRAParam, ...)
+    opt = optax.adamw(1e-4)
+    opt_state = opt.init(lstate)
+    ids = jax.random.randint(jax.random.key(1), (1, seq + 1), 0, c["vocab_size"])
+
+    def loss_fn(ls, rest):
+        logits = nnx.merge(graphdef, ls, rest)(ids[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+    @jax.jit
+    def step(ls, opt_state, rest):
+        loss, g = jax.value_and_grad(loss_fn)(ls, rest)
+        updates, opt_state = opt.update(g, opt_state, ls)
+        return optax.apply_updates(ls, updates), opt_state, loss
+
+    t1 = time.perf_counter()
+    lstate, opt_state, loss = step(lstate, opt_state, rest)
+    float(loss)
+    compile_s = time.perf_counter() - t1
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        lstate, opt_state, loss = step(lstate, opt_state, rest)
+        float(loss)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    step_s = times[len(times) // 2]
+    return {"side": "jqlora", "step_s": step_s, "tokens_per_s": seq / step_s, "peak_gib": _peak_gib(),
+            "loss": float(loss), "build_s": build_s, "first_step_s": compile_s, "experts": "nf4",
+            "device": jax.devices()[0].device_kind}
+
+
+def _torch_model(c: dict, cuda: bool):
+    """transformers' Qwen3-MoE in bf16, random, its attention Linears swapped for bitsandbytes NF4
+    `Linear4bit`s (what `load_in_4bit` gives a Qwen3-MoE: experts and routers stay bf16)."""
+    import bitsandbytes as bnb
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**c)
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, experts_implementation="grouped_mm"
+                                                 if cuda else "eager")
+    with torch.no_grad():
+        for name, mod in list(model.named_modules()):
+            for n in ATTENTION:
+                lin = getattr(mod, n, None)
+                if isinstance(lin, torch.nn.Linear):
+                    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=dtype,
+                                          quant_type="nf4", compress_statistics=True, device=dev)
+                    q.weight = bnb.nn.Params4bit(lin.weight.data.to("cpu"), requires_grad=False, quant_type="nf4",
+                                                 compress_statistics=True)
+                    setattr(mod, n, q.to(dev))  # Params4bit quantizes on its move to a device
+    return model
+
+
+def run_torch(c: dict, seq: int, steps: int, tiny: bool) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    cuda = torch.cuda.is_available() and not tiny
+    try:
+        model = _torch_model(c, cuda)
+        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTENTION,
+                                                 target_parameters=EXPERT_PARAMS, lora_dropout=0.0))
+        if not tiny:
+            model.gradient_checkpointing_enable()
+        model.train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        ids = torch.randint(0, c["vocab_size"], (1, seq + 1), device="cuda" if cuda else "cpu")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+        def step():
+            loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:].contiguous()).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss.detach())
+
+        t = time.perf_counter()
+        loss = step()
+        first = time.perf_counter() - t
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            loss = step()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    except torch.OutOfMemoryError as e:
+        return {"side": "torch qlora+peft", "oom": True, "error": str(e).splitlines()[0],
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0}
+    times.sort()
+    step_s = times[len(times) // 2]
+    return {"side": "torch qlora+peft", "oom": False, "step_s": step_s, "tokens_per_s": seq / step_s,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "loss": loss,
+            "first_step_s": first, "experts": "bf16",
+            "device": torch.cuda.get_device_name() if cuda else "cpu"}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _side_in_subprocess(side: str, a) -> dict:
+    argv = [sys.executable, "-m", "benchmarks.moe_bench", "--side", side, "--seq", str(a.seq),
+            "--steps", str(a.steps)] + (["--layers", str(a.layers)] if a.layers is not None else []) \
+        + (["--tiny"] if a.tiny else [])
+    r = subprocess.run(argv, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode or not lines:
+        return {"side": side, "error": (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"],
+                "returncode": r.returncode}
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--side", choices=["jax", "torch", "both"], default="both")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a smoke run")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 48; 2 with --tiny)")
+    p.add_argument("--seq", type=int, default=None, help="tokens in the row (default 2048; 32 with --tiny)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps after the first")
+    p.add_argument("--out", default=None, help="folder for the JSON result (none: print only)")
+    p.add_argument("--tag", default="")
+    a = p.parse_args(argv)
+    a.seq = a.seq or (32 if a.tiny else 2048)
+    c = config(a.tiny, a.layers)
+    if a.side != "both":
+        res = (run_jax if a.side == "jax" else run_torch)(c, a.seq, a.steps, a.tiny)
+        print(json.dumps(res), flush=True)
+        return 0
+    from benchmarks.run import device_name, versions
+
+    rows = [_side_in_subprocess(s, a) for s in ("jax", "torch")]
+    res = dict(rows=rows, config=c, seq=a.seq, steps=a.steps, tiny=a.tiny, active_params=active_params(c),
+               device=device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
+               versions=versions(), argv=list(argv if argv is not None else sys.argv[1:]))
+    print(json.dumps(res, indent=1))
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, f"{res['device'].lower().replace(' ', '-')}-{res['date']}{a.tag}_moe.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(path + ".tmp", path)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

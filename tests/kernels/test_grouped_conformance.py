@@ -1,0 +1,287 @@
+"""Conformance suite of the grouped (mixture-of-experts) kernels: every variant of
+`registry.grouped_variants()` against its reference, with no list to edit.
+
+- The tile schedule every grouped kernel shares (`reference.grouped_tiles`) covers each row
+  below sum(group_sizes) exactly once, one group and one row block per tile, on ragged sizes
+  (empty experts, one expert taking every row, sizes not multiples of the tile, M past the sum).
+- Each variant runs against its reference on those shapes where it can run here: interpretable
+  variants in Pallas interpret mode on CPU, all compiled on a GPU of their platform (Mosaic GPU
+  variants: a Hopper GPU). On CPU the sm90 variants lower for CUDA (a Mosaic GPU module comes
+  out) and their module's numpy twin of the schedule and the stores (`emulate`) is compared with
+  the reference.
+- Bad operands get an error naming the operand; sm90 variants refuse interpret mode and 32-bit x;
+  M = 0 gives an empty product; the metadata is valid.
+- On a Hopper GPU, qgmm's own plan (dequant pass + kernel) against its xla backend, forward and dx.
+"""
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ir_fingerprint import lowered_modules
+from pallas_kernels import reference, registry
+
+GROUPED = registry.grouped_variants()
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+FORWARD_OPS = ("grouped_matmul", "grouped_matmul_4bit")
+# (E, N, K, group sizes, M): ragged cases at the Mosaic kernels' granularity (N, K multiples of 128)
+CASES = (  # ragged: an empty expert between others, sizes off the tiles, M past the sum
+    ("ragged", 4, 256, 128, (70, 0, 130, 3), 210),
+    ("one-takes-all", 3, 128, 256, (0, 300, 0), 300),
+    ("empty", 2, 128, 128, (0, 0), 9),
+)
+
+
+def _module(v):
+    return importlib.import_module(registry.module_of(v.name))
+
+
+def _runs_here(v) -> str | None:
+    if v.platform == "sm90" and not (ON_GPU and registry.platform_available("sm90")):
+        return "Mosaic GPU kernel: needs a Hopper GPU (CPU: lowering and emulation tests)"
+    if not v.interpret and not ON_GPU:
+        return "no interpret mode"
+    return None
+
+
+# ------------------------------------------------------------------------------------------
+# the shared tile schedule
+# ------------------------------------------------------------------------------------------
+def schedule_problems(tiles, gs, m, block_m) -> list[str]:
+    """What is wrong with a (3, T) schedule for group sizes `gs` over M rows."""
+    gs = np.asarray(gs)
+    ends = np.minimum(np.cumsum(gs), m)
+    starts = ends - np.minimum(gs, ends)
+    covered = np.zeros(m, int)
+    problems = []
+    for t, (g, lo, hi) in enumerate(np.asarray(tiles).T):
+        if hi == lo:
+            continue
+        if not (starts[g] <= lo < hi <= ends[g]):
+            problems.append(f"tile {t}: rows [{lo}, {hi}) outside group {g}'s [{starts[g]}, {ends[g]})")
+        if lo // block_m != (hi - 1) // block_m:
+            problems.append(f"tile {t}: rows [{lo}, {hi}) span two row blocks")
+        covered[lo:hi] += 1
+    total = int(min(gs.sum(), m))
+    if (covered[:total] != 1).any() or covered[total:].any():
+        problems.append(f"rows covered {covered.tolist()} times, expected once below {total}")
+    if np.asarray(tiles).shape[1] != -(-m // block_m) + len(gs) - 1:
+        problems.append("tile count is not the static bound cdiv(M, block_m) + E - 1")
+    return problems
+
+
+@settings(max_examples=30, deadline=None)
+@given(e=st.sampled_from([1, 9]), m=st.sampled_from([37, 300]), block_m=st.sampled_from([8, 64, 128]),
+       data=st.data())
+def test_schedule_covers_each_row_once(e, m, block_m, data):
+    """Few static shapes (one compilation each), any group sizes summing to at most M."""
+    gs = data.draw(st.lists(st.integers(0, m), min_size=e, max_size=e))
+    if sum(gs) > m:
+        gs = [g * m // sum(gs) for g in gs]
+    if data.draw(st.booleans()):  # one expert takes every row
+        gs = [0] * e
+        gs[data.draw(st.integers(0, e - 1))] = m
+    tiles = reference.grouped_tiles(jnp.asarray(gs, jnp.int32), m, block_m)
+    assert schedule_problems(tiles, gs, m, block_m) == []
+
+
+def test_planted_bug_in_the_schedule_is_caught():
+    gs, m, bm = [5, 0, 130, 1], 140, 64
+    tiles = np.array(reference.grouped_tiles(jnp.asarray(gs, jnp.int32), m, bm))
+    off = tiles.copy()
+    off[2, 1] += 1  # one tile's end a row too far
+    assert schedule_problems(off, gs, m, bm)
+    swapped = tiles.copy()
+    swapped[0] = np.where(tiles[2] > tiles[1], len(gs) - 1 - tiles[0], 0)  # experts in reverse order
+    assert schedule_problems(swapped, gs, m, bm)
+
+
+# ------------------------------------------------------------------------------------------
+# every variant against its reference
+# ------------------------------------------------------------------------------------------
+def _operands(v, e, n, k, gs, m, dtype=jnp.bfloat16, seed=0):
+    """(args, kwargs, weight (E, N, K) in x's dtype as the reference takes it)."""
+    from jqlora.quant import quantize_experts
+
+    key = jax.random.key(seed)
+    fwd = v.op in FORWARD_OPS
+    a = jax.random.normal(key, (m, k if fwd else n), jnp.float32).astype(dtype)
+    w32 = jax.random.normal(jax.random.fold_in(key, 1), (e, n, k), jnp.float32)
+    g = jnp.asarray(gs, jnp.int32)
+    if v.op.startswith("grouped_matmul_4bit"):
+        from jqlora.ops.qgmm import kernel_operands
+
+        packed, absmax, code = kernel_operands(quantize_experts(w32, "nf4", 64, double_quant=False))
+        return (a, g, packed, absmax, code), dict(blocksize=64), None
+    return (a, g, w32.astype(dtype)), {}, w32.astype(dtype)
+
+
+def _reference(v, args, kw):
+    return v.reference(*args, **kw, out_dtype=jnp.float32)
+
+
+def _assert_close(got, want, a, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = np.abs(np.asarray(a, np.float64)).sum(1, keepdims=True) * 4.0 + 1.0
+    bad = np.abs(got - want) > 2e-3 * np.abs(want) + 1e-5 * scale
+    assert not bad.any(), f"{what}: {bad.sum()} entries off, max diff {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+@pytest.mark.parametrize("name", [v.name for v in GROUPED])
+def test_variant_matches_its_reference(name, case):
+    v = registry.get(name)
+    why = _runs_here(v)
+    if why:
+        pytest.skip(f"{name}: {why}")
+    _, e, n, k, gs, m = next(c for c in CASES if c[0] == case)
+    args, kw, _ = _operands(v, e, n, k, gs, m)
+    got = v.fn(*args, **kw, out_dtype=jnp.float32, interpret=INTERPRET)
+    want = _reference(v, args, kw)
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    _assert_close(got, want, args[0], f"{name} {case}")
+    assert not np.asarray(got[sum(gs):]).any(), f"{name} {case}: rows past the groups not zero"
+
+
+SM90 = [v.name for v in GROUPED if v.platform == "sm90"]
+
+
+@pytest.mark.parametrize("name", SM90)
+def test_sm90_lowers_for_cuda(name):
+    v = registry.get(name)
+    s = jax.ShapeDtypeStruct
+    e, n, k, m = 8, 256, 512, 1000
+    a = s((m, k if v.op in FORWARD_OPS else n), jnp.bfloat16)
+    try:
+        triton, mosaic = lowered_modules(lambda a, g, w: v.fn(a, g, w),
+                                         (a, s((e,), jnp.int32), s((e, n, k), jnp.bfloat16)))
+    except Exception as err:  # noqa: BLE001
+        if "Unable to" in str(err) or "no CUDA" in str(err):  # pragma: no cover
+            pytest.skip(f"this jax cannot lower Mosaic GPU kernels without a GPU: {err}")
+        raise
+    assert mosaic and not triton, (name, len(mosaic), len(triton))
+
+
+@pytest.mark.parametrize("name", [v.name for v in GROUPED if v.platform == "gpu"])
+def test_triton_variants_lower_for_cuda(name, lower_for_triton):
+    """The Triton grouped kernels lower for CUDA (Pallas -> Triton IR) at Qwen3-30B-A3B shapes,
+    non-power-of-two N and K included, on a machine without a GPU."""
+    v = registry.get(name)
+    s = jax.ShapeDtypeStruct
+    e, n, k, m = 128, 768, 2048, 16384
+    a = s((m, k if v.op in FORWARD_OPS else n), jnp.bfloat16)
+    if v.op.startswith("grouped_matmul_4bit"):
+        args = (a, s((e,), jnp.int32), s((e, n, k // 2), jnp.uint8), s((e, n, k // 64), jnp.float32),
+                s((16,), jnp.float32))
+        lower_for_triton(name, lambda *x: v.fn(*x, blocksize=64, interpret=False), *args)
+    else:
+        lower_for_triton(name, lambda *x: v.fn(*x, interpret=False), a, s((e,), jnp.int32), s((e, n, k), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+@pytest.mark.parametrize("name", [n for n in SM90 if hasattr(_module(registry.get(n)), "emulate")])
+def test_sm90_emulation_matches_the_reference(name, case):
+    v = registry.get(name)
+    _, e, n, k, gs, m = next(c for c in CASES if c[0] == case)
+    args, kw, w = _operands(v, e, n, k, gs, m, dtype=jnp.float32)
+    got = _module(v).emulate(args[0], args[1], w, transpose_w=v.op in FORWARD_OPS)
+    _assert_close(got, _reference(v, args, kw), args[0], f"{name} emulation {case}")
+
+
+# ------------------------------------------------------------------------------------------
+# errors, empty batches, metadata
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", [v.name for v in GROUPED])
+def test_bad_operands_get_clear_errors(name):
+    v = registry.get(name)
+    args, kw, _ = _operands(v, 2, 128, 128, (3, 4), 8)
+    bad = [("x of rank 1", 0, lambda a: a[0], "must be 2-D"),
+           ("x a column short", 0, lambda a: a[:, :-1], "columns but the expert stack"),
+           ("group sizes of floats", 1, lambda g: g.astype(jnp.float32), "`group_sizes` must be integer"),
+           ("one group size too many", 1, lambda g: jnp.concatenate([g, g[:1]]), "`group_sizes` must be integer")]
+    for what, i, change, match in bad:
+        broken = [change(a) if j == i else a for j, a in enumerate(args)]
+        with pytest.raises(ValueError, match=match):
+            v.fn(*broken, **kw, interpret=v.interpret and INTERPRET)
+    if v.platform == "sm90":
+        with pytest.raises(NotImplementedError, match="interpret"):
+            v.fn(*args, **kw, interpret=True)
+        with pytest.raises(ValueError, match="bfloat16 or float16"):
+            v.fn(args[0].astype(jnp.float32), *args[1:], **kw)
+
+
+@pytest.mark.parametrize("name", [v.name for v in GROUPED])
+def test_empty_batch_gives_an_empty_product(name):
+    v = registry.get(name)
+    args, kw, _ = _operands(v, 2, 128, 128, (0, 0), 0)
+    y = v.fn(*args, **kw, interpret=v.interpret and INTERPRET)
+    assert y.shape == (0, 128) and y.dtype == jnp.bfloat16
+
+
+def test_metadata_is_valid():
+    assert GROUPED, "no grouped variants registered"
+    for v in GROUPED:
+        assert v.op in registry.GROUPED_OPS and v.description and v.status in registry.STATUSES, v.name
+        assert v.numerics == "rounded_weight", v.name
+        assert v.interpret == (v.platform == "gpu"), v.name
+        assert registry.get(v.name) is v and v not in registry.all_variants()
+        assert v.supports(16384, 768, 2048, 64) and v.supports(16384, 2048, 768, 64), v.name  # Qwen3-30B-A3B
+        if v.default_config is not None:
+            cfg = v.default_config(16384, 768, 2048, 64)
+            assert isinstance(cfg, v.config_type), v.name
+            n_out, kc = (768, 2048) if v.op in FORWARD_OPS else (2048, 768)
+            assert _module(v).shape_problem(16384, n_out, kc, 64, cfg) is None, v.name
+
+
+def test_grouped_rules_name_registered_variants_of_the_right_op():
+    from jqlora.ops import dispatch
+
+    for r in dispatch.GROUPED_RULES:
+        if r.variant is not None:
+            op = registry.get(r.variant).op
+            assert op.startswith("grouped_matmul") and op.endswith("_t") == (r.product == "bwd"), r
+            assert ("4bit" in op) <= (r.weight == "4bit"), r  # only a 4-bit stack has packed operands
+            assert os_path_exists(dispatch.variant_file(r.variant)), r
+
+
+def os_path_exists(rel):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.isfile(os.path.join(root, rel))
+
+
+# ------------------------------------------------------------------------------------------
+# qgmm's plan on the device against its xla backend (compiled GPU suite)
+# ------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not (ON_GPU and registry.platform_available("sm90")), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("fmt", ["nf4", "int8", "bf16"])
+def test_qgmm_auto_plan_on_hopper_matches_xla(fmt):
+    from jqlora import ops
+    from jqlora.quant import ExpertWeights, quantize_experts
+
+    e, n, k = 8, 256, 512
+    gs = jnp.asarray([100, 0, 37, 400, 1, 0, 250, 3], jnp.int32)
+    m = 800
+    w = jax.random.normal(jax.random.key(0), (e, n, k), jnp.float32) * 0.05
+    ex = ExpertWeights.from_dense(w.astype(jnp.bfloat16)) if fmt == "bf16" else quantize_experts(w, fmt)
+    plan = ops.choose_grouped_plan(ex, m, "auto", dtype="bfloat16")
+    assert plan.backend == "pallas" and plan.fwd == "mgpu_grouped_dot" and plan.bwd == "mgpu_grouped_dot_t"
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+
+    def run(backend):
+        y, vjp = jax.vjp(lambda x: ops.qgmm(x, gs, ex, backend=backend, out_dtype=jnp.float32), x)
+        return y, vjp(dy.astype(jnp.float32))[0]
+
+    (y, dx), (y0, dx0) = jax.jit(lambda: run("auto"))(), jax.jit(lambda: run("xla"))()
+    _assert_close(y, y0, x, f"qgmm {fmt} forward")
+    _assert_close(dx, dx0, dy, f"qgmm {fmt} dx")
+    assert not np.asarray(y[int(gs.sum()):]).any() and not np.asarray(dx[int(gs.sum()):]).any()
