@@ -19,7 +19,8 @@ from jqlora.train.lock import lock_run_dir
 HELP = "LoRA fine-tuning of a (bitsandbytes) checkpoint; writes a PEFT adapter at the end"
 DESCRIPTION = """\
 Load a checkpoint with jqlora.models.load_causal_lm, add LoRA, train it with jqlora.train.train
-on a JSONL file ({"text": ...} or {"prompt": ..., "completion": ...} per line), and write the
+on its data (JSONL, a JSON array, CSV/TSV, Parquet, a `datasets` folder or a cached dataset id;
+rows of text, prompt/completion, messages, alpaca or ShareGPT conversations), and write the
 adapter in PEFT format (interop.save_peft_adapter) to --adapter-out (default <out_dir>/adapter).
 
 Settings come from, in increasing priority: the stored settings of the run (<out_dir>/
@@ -60,7 +61,7 @@ _CHOICES = {"lr_schedule": LR_SCHEDULES,  # TrainConfig fields whose flag takes 
             "scale_rewards": SCALE_REWARDS}
 
 _FIELD_HELP = {
-    "data_path": "JSONL training data", "tokenizer_path": "tokenizer.json or its directory (default: the model's)",
+    "data_path": "training data: .jsonl, .json (array), .csv, .tsv, .parquet, a datasets folder or a cached dataset id", "tokenizer_path": "tokenizer.json or its directory (default: the model's)",
     "seq_len": "tokens per row", "batch_size": "rows per micro-batch", "grad_accum": "micro-batches per step",
     "lr": "peak learning rate", "warmup": "linear warmup steps", "steps": "total optimizer steps",
     "lr_schedule": "after warmup: cosine or linear decay to lr * final_lr_ratio, or constant",
@@ -69,8 +70,15 @@ _FIELD_HELP = {
     "final_lr_ratio": "the decay's end: lr * this",
     "tensorboard": "TensorBoard event files in out_dir/tensorboard (default: on when tensorboardX is installed)",
     "out_dir": "output directory", "save_every": "checkpoint every N steps (0: only at the end)",
-    "eval_data_path": "JSONL evaluation data", "eval_every": "evaluate every N steps",
-    "data_format": "auto (per line, from its keys), messages, alpaca, text or prompt_completion",
+    "eval_data_path": "evaluation data (the same kinds as --data-path)", "eval_every": "evaluate every N steps",
+    "data_format": "auto (per row, from its keys), messages, sharegpt, alpaca, text or prompt_completion",
+    "data_split": "the split of a datasets folder or dataset id (default train)",
+    "eval_data_split": "the split of --eval-data-path's folder or dataset id",
+    "text_field": "the column holding plain text (default text)",
+    "prompt_field": "the column holding the prompt (default prompt)",
+    "completion_field": "the column holding the completion (default completion)",
+    "messages_field": "the column holding a conversation (messages, or ShareGPT turns with from/value)",
+    "role_map": "ShareGPT speakers to roles, e.g. human=user,gpt=assistant",
     "chat_template": "a Jinja file replacing the tokenizer folder's chat template",
     "resume": "continue from the newest checkpoint in out_dir", "progress": "progress bar (default: on a terminal; plain lines in a log file)",
     "remat": "rematerialize decoder layers: auto (by the memory there is: the GPU's, or this process's RAM limit on CPU; JQLORA_MEMORY_GB=N overrides), true, false or a policy name", "grad_clip": "global-norm clip (none: off)",
@@ -171,7 +179,7 @@ def _run(args, held: contextlib.ExitStack) -> int:
         raise CLIError(f"invalid training settings: {e}") from None
     model_path = model_dir(s.model.model)
     if config.data_path is None:
-        raise CLIError("no training data: pass --data-path FILE.jsonl or set data_path in the config file")
+        raise CLIError("no training data: pass --data-path (a file, a datasets folder or a dataset id) or set data_path in the config file")
     if config.tokenizer_path is None:
         if (model_path / "tokenizer.json").is_file():
             config.tokenizer_path = str(model_path)

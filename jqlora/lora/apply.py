@@ -70,18 +70,28 @@ def named_linears(model) -> Iterator[tuple[str, QLoRALinear]]:
 _DENSE_MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 
+# fused projections (Phi-3) and the projections they hold: a target list naming one of these takes
+# the fused layer (it has one LoRA, as PEFT puts it there)
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 def _targeted(config: LoraConfig, slot: _Slot, moe: bool = False) -> bool:
     """Whether `config` puts LoRA on `slot`: its name matches target_modules, except that in a
     mixture-of-experts model (`moe`) "all-linear" means attention and experts (a router is taken
     only when named, and the dense MLP layers some MoE models keep are left out: PEFT 0.21 moves
     their names onto the experts, so it could not load them back), and that the fused expert stack
-    ``experts.gate_up_proj`` is also taken by "gate_proj" or "up_proj" (the projections it holds)."""
+    ``experts.gate_up_proj`` is also taken by "gate_proj" or "up_proj" (the projections it holds), as
+    are Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` by the names of theirs (the default targets
+    reach them)."""
     if moe and config.target_modules == ALL_LINEAR and (
             isinstance(slot.module, Router)
             or (isinstance(slot.module, QLoRALinear) and slot.name.rsplit(".", 1)[-1] in _DENSE_MLP)):
         return False
     if config.matches(slot.name):
         return True
+    parts = _FUSED_PARTS.get(slot.name.rsplit(".", 1)[-1])
+    if parts and isinstance(slot.module, QLoRALinear) and not isinstance(config.target_modules, str):
+        return any(t in parts for t in config.target_modules)  # Phi-3's fused projections
     if isinstance(slot.module, QLoRAExperts) and slot.name.endswith(".gate_up_proj") \
             and not isinstance(config.target_modules, str):
         return any(t in ("gate_proj", "up_proj") for t in config.target_modules)

@@ -8,6 +8,8 @@ from typing import Sequence, Union
 from jqlora.errors import SettingError
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's fused projections: one LoRA each, reached by the names of the projections they hold.
+FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj")
 # PEFT's shorthand: every linear layer except the output layer (the LM head).
 ALL_LINEAR = "all-linear"
 OUTPUT_LAYER = "lm_head"
@@ -62,15 +64,20 @@ def module_name_matches(name: str, targets: Union[str, Sequence[str]]) -> bool:
 
 def peft_target_modules(targets: Union[str, Sequence[str]], module_names: Sequence[str]):
     """`targets` as written in a PEFT adapter_config.json: "all-linear" becomes the sorted last
-    components of the modules that have LoRA (what PEFT itself saves), anything else is kept.
+    components of the modules that have LoRA (what PEFT itself saves); a list is kept, with the
+    last components of LoRA modules it does not name added (fused layers); a regex is kept.
 
     Args:
       targets: a LoraConfig's target_modules.
       module_names: the dotted names of the modules with LoRA.
     """
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in module_names})
     if targets == ALL_LINEAR:
-        return sorted({n.rsplit(".", 1)[-1] for n in module_names})
-    return targets if isinstance(targets, str) else list(targets)
+        return leaves
+    if isinstance(targets, str):
+        return targets
+    # a fused layer (Phi-3's qkv_proj) taken by the name of a projection it holds: PEFT needs its own
+    return list(targets) + [n for n in leaves if n in FUSED_PROJECTIONS and n not in targets]
 
 
 def lora_differences(requested: dict, adapter) -> list[tuple[str, object, object]]:

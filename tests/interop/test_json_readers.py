@@ -63,14 +63,15 @@ def test_read_config_unwraps_a_nested_text_config(tmp_path):
 
 
 def test_training_data_check_takes_vocab_size_from_the_one_reader(tmp_path):
-    from jqlora.train.data import _config_vocab_size
+    from jqlora.train.data import checkpoint_config, config_vocab_size
 
-    assert _config_vocab_size(tmp_path) is None  # no config.json: nothing to check against
+    assert checkpoint_config(tmp_path) == {}  # no config.json: nothing to check against
+    assert config_vocab_size(checkpoint_config(tmp_path)) is None
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
-    assert _config_vocab_size(tmp_path) == 262208
+    assert config_vocab_size(checkpoint_config(tmp_path)) == 262208  # the nested text_config's
     (tmp_path / "config.json").write_text("{oops")
     with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
-        _config_vocab_size(tmp_path)
+        checkpoint_config(tmp_path)
 
 
 def test_adapter_config_check_is_shared_by_write_and_read(tmp_path):

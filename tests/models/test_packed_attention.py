@@ -27,7 +27,7 @@ def _runs_by_scan(row):
     return runs
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 12), st.integers(0, 2**31 - 1))
 def test_segment_runs_match_a_direct_scan(b, t, m, seed):
     rng = np.random.default_rng(seed)

@@ -20,6 +20,7 @@ from flax import nnx  # noqa: E402
 import family_checkpoints as fc  # noqa: E402
 from jqlora import lora, models, quant  # noqa: E402
 from jqlora.models.config import ModelConfig, rope_attention_scaling  # noqa: E402
+from jqlora.lora.config import peft_target_modules  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -198,6 +199,18 @@ def test_target_modules_name_the_fused_projections(phi3):
     names = sorted(lora.lora_params_by_module(m))
     assert names == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(4)]
     assert lora.lora_params_by_module(m)[names[0]]["lora_B"].shape == (4 * 32 + 2 * 2 * 32, 2)
+
+
+def test_default_targets_reach_the_fused_projections_and_peft_names_them(phi3):
+    """The default targets (q/k/v/o/gate/up/down) put LoRA on every projection of Phi-3, the fused
+    ones included, and the PEFT config lists qkv_proj and gate_up_proj (else PEFT drops them)."""
+    _, params, cfg = phi3
+    conf = lora.LoraConfig(rank=2, alpha=4)
+    m = models.from_params(params, cfg, compute_dtype=jnp.float32, rngs=nnx.Rngs(0), lora=conf)
+    leaves = {n.rsplit(".", 1)[-1] for n in lora.lora_params_by_module(m)}
+    assert leaves == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    targets = peft_target_modules(conf.target_modules, list(lora.lora_params_by_module(m)))
+    assert {"qkv_proj", "gate_up_proj"} <= set(targets)
 
 
 def test_generation_across_the_original_length_equals_transformers(phi3):
