@@ -1,11 +1,11 @@
 """Gemma 3 QLoRA training step: jqlora vs transformers + PEFT + bitsandbytes, same GPU, one call;
 and the time of sliding-window against global attention layers as the sequence grows.
 
-A Gemma 3 12B-shaped model (48 layers, hidden 3840, MLP 15360, 16 heads / 8 KV heads of 256,
-vocab 262208, 5 sliding (window 1024) : 1 global layers, tied embeddings; values as recalled from
-google/gemma-3-12b's config, check them there before quoting; `--layers` shrinks the depth),
-random weights, NF4 (blocksize 64, double quant), LoRA r=16 (alpha 32) on every projection, one
-row of 4096 tokens, per-layer remat / gradient checkpointing, AdamW.
+A Gemma 3 12B-shaped model (the text model of google/gemma-3-12b-pt / -it: 48 layers, hidden 3840,
+MLP 15360, 16 heads / 8 KV heads of 256, vocab 262208, 5 sliding (window 1024) : 1 global layers,
+tied embeddings; `--layers` shrinks the depth; sources at `GEMMA3_12B`), random weights, NF4
+(blocksize 64, double quant), LoRA r=16 (alpha 32) on every projection, one row of 4096 tokens,
+per-layer remat / gradient checkpointing, AdamW.
 
     python -m benchmarks.gemma_bench --out benchmarks/results/latest     # both sides + the window sweep
     python -m benchmarks.gemma_bench --side jax --layers 8 --steps 3      # one side, printed
@@ -27,6 +27,14 @@ import subprocess
 import sys
 import time
 
+# The text config of google/gemma-3-12b-pt / -it. Sources: transformers' Gemma 3 conversion script
+# (src/transformers/models/gemma3/convert_gemma3_weights.py, `_VARIANT_GEMMA_3_12B`: hidden 30 * 128,
+# MLP 4 x hidden, 16 heads / 8 KV heads of 256, 48 layers, window 1024, linear RoPE factor 8 on the
+# full layers only, theta 1e6 global / 1e4 local, query_pre_attn_scalar 256, no soft-caps; vocab
+# 262144 + 64 rows added for the image tokens of the multimodal checkpoints = 262208), and for what
+# the hub config leaves out, Gemma3TextConfig's defaults in transformers 5.23 (vocab 262208,
+# max_position_embeddings 131072, rms_norm_eps 1e-6, gelu_pytorch_tanh, tied embeddings, 5 : 1
+# layer pattern, bos 2 / eos 1 / pad 0; the -it config adds eos 106, <end_of_turn>).
 GEMMA3_12B = dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262208,
                   sliding_window=1024, query_pre_attn_scalar=256, rms_norm_eps=1e-6, tie_word_embeddings=True,

@@ -111,7 +111,7 @@ def _time(f, args, tiny: bool, iterations: int) -> float:
 
 
 def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log=print) -> dict:
-    from jqlora.ops import dispatch
+    from jqlora.ops import dispatch, grouped_dispatch
 
     shape = TINY if tiny else dict(tokens=TOKENS, top_k=TOP_K, experts=EXPERTS, projections=PROJECTIONS)
     e = shape["experts"]
@@ -133,8 +133,8 @@ def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log
             wt = weights[kind]
             row = {"projection": name, "m": m, "n": n, "k": k, "experts": e, "contender": cname}
             if isinstance(wt, quant.ExpertWeights):
-                row["plan"] = str(dispatch.choose_grouped_plan(wt, m, cname.split()[-1] if "qgmm" in cname else "auto",
-                                                               dtype="bfloat16"))
+                backend = cname.split()[-1] if "qgmm" in cname else "auto"
+                row["plan"] = str(grouped_dispatch.choose_grouped_plan(wt, m, backend, dtype="bfloat16"))
             for label, f, args in (("fwd", _forward(fn, gs, wt), (x,)),
                                    ("fwd_bwd", _forward_backward(fn, gs, wt), (x, dy))):
                 if label == "fwd_bwd" and cname.startswith(("upstream", "triton")):

@@ -4,7 +4,9 @@ Each side runs in its own process (peak memory is process-wide) and prints one J
     python -m benchmarks.train_bench --side jax   --shape 1b --steps 5
     python -m benchmarks.train_bench --side torch --shape 1b --steps 5
 Random weights, NF4 blocksize 64 with double quant, LoRA r=16 (alpha 32) on all linear layers,
-batch 1 x 2048, gradient checkpointing, AdamW.
+batch 1 x 2048, gradient checkpointing, AdamW. `--weights bf16` (jax side) keeps the frozen base
+dense bf16 with the LoRA and everything else unchanged: jqlora's bf16-weight LoRA step, the
+ceiling the NF4 step is measured against (run each in its own process; the line says `weights`).
 
 Each side reports two loops over the same number of steps: `step_s` / `tokens_per_s`, the median
 step when each step's loss is read before the next dispatch, and `pipelined_step_s` /
@@ -28,6 +30,7 @@ SHAPES = {
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+WEIGHTS = ("nf4", "bf16")  # the frozen base: random NF4 (QLoRA) or dense bf16 (bf16-weight LoRA)
 
 
 def _note(msg: str, t0: float) -> None:
@@ -102,11 +105,14 @@ def _random_nf4(key, shape, mesh, makers: dict):
 
 
 def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", layers: int | None = None,
-              mesh=None, remat="nothing_saveable", lora: bool = True):
+              mesh=None, remat="nothing_saveable", lora: bool = True, weights: str = "nf4",
+              compute_dtype: str = "bfloat16"):
     """The jqlora side's model, optimizer and one batch (random weights, quantized on device);
     `layers` overrides the shape's layer count; lora=False builds the bare quantized model (what
     `jqlora generate` runs without an adapter). With a `mesh` (jqlora.parallel) every weight is
-    made on its shards as random NF4 bytes and scales, and the batch has one row per device."""
+    made on its shards as random NF4 bytes and scales, and the batch has one row per device.
+    weights="bf16": the decoder's linear weights stay dense bf16 (no quantization), everything
+    else as with "nf4". compute_dtype: the model's (float32 is what the CLI runs on a CPU)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -120,6 +126,8 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
     c = hf_config(shape, layers)
     h, i, L, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     qd, kvd = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     key = jax.random.key(0)
     t_build = time.perf_counter()
     if mesh is not None:
@@ -137,17 +145,19 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
         params["lm_head.weight"] = normal(jax.random.key(1), (v, h))
     quantize = quantize if mesh is not None else jax.jit(lambda k, shape: quant.quantize_4bit(jax.random.normal(k, shape, jnp.bfloat16) * 0.02,
                                                             "nf4", 64, True), static_argnums=1)
+    # a quantized linear is keyed by its module name, a dense one by "<module>.weight" (from_params)
+    make, suffix = (quantize, "") if weights == "nf4" else (normal, ".weight")
     dims = {"self_attn.q_proj": (qd, h), "self_attn.k_proj": (kvd, h), "self_attn.v_proj": (kvd, h),
             "self_attn.o_proj": (h, qd), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
     for layer in range(L):
         for j, (name, s) in enumerate(dims.items()):
-            params[f"model.layers.{layer}.{name}"] = quantize(jax.random.key(1000 * layer + j + 7), s)
+            params[f"model.layers.{layer}.{name}{suffix}"] = make(jax.random.key(1000 * layer + j + 7), s)
         params[f"model.layers.{layer}.input_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
         params[f"model.layers.{layer}.post_attention_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
     jax.block_until_ready(params)
     _note(f"{len(params)} weights made", t_build)
     model = from_params(params, c, lora=LoraConfig(rank=16, alpha=32, target_modules=TARGETS) if lora else None,
-                        compute_dtype=jnp.bfloat16, remat=remat, backend=backend, attention=attention,
+                        compute_dtype=jnp.dtype(compute_dtype), remat=remat, backend=backend, attention=attention,
                         donate_params=True)  # stacking the layers deletes the per-layer arrays as it goes
     del params
     _note("model built (layers stacked)", t_build)
@@ -155,6 +165,24 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
         return model, None, None
     opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000), wrt=nnx.LoRAParam)
     return model, opt, make_batch(v, 1 if mesh is None else int(mesh.size), seq)
+
+
+def frozen_formats(model) -> dict:
+    """How many linear layers hold each kind of frozen base, read off the built model: "nf4" (a
+    4-bit weight), "int8", "bf16" / "float32" (dense). A stacked decoder layer kind counts once."""
+    from flax import nnx
+
+    from jqlora import quant
+    from jqlora.lora.linear import QLoRALinear
+
+    out: dict = {}
+    for _, mod in nnx.iter_graph(model):
+        if isinstance(mod, QLoRALinear):
+            w = mod.base.get_value()
+            kind = (w.quant_type if isinstance(w, quant.Weight4bit) else "int8" if isinstance(w, quant.Int8Weight)
+                    else str(w.dtype))
+            out[kind] = out.get(kind, 0) + 1
+    return out
 
 
 def make_batch(vocab: int, rows: int, seq: int) -> dict:
@@ -167,7 +195,7 @@ def make_batch(vocab: int, rows: int, seq: int) -> dict:
             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (1, rows, seq)).copy()}
 
 
-def compile_only(shape: str, seqs: list[int], backend: str, attention: str, remat) -> list[dict]:
+def compile_only(shape: str, seqs: list[int], backend: str, attention: str, remat, weights: str = "nf4") -> list[dict]:
     """XLA's own memory analysis of the one-device train step at each sequence length, compiled and
     never run (a step at 350k tokens takes minutes): device temporaries, arguments, outputs and
     host temporaries (offloaded activations), with the policy `remat="auto"` chose."""
@@ -176,7 +204,7 @@ def compile_only(shape: str, seqs: list[int], backend: str, attention: str, rema
     from jqlora import models
     from jqlora.train.step import train_step
 
-    model, opt, _ = build_jax(shape, seqs[0], backend, attention, remat=remat)
+    model, opt, _ = build_jax(shape, seqs[0], backend, attention, remat=remat, weights=weights)
     c = hf_config(shape)
     out = []
     for seq in seqs:
@@ -184,7 +212,7 @@ def compile_only(shape: str, seqs: list[int], backend: str, attention: str, rema
         del batch["segment_ids"]  # one unpacked sequence per row, as run_jax runs it
         t0 = time.perf_counter()
         ma = train_step.bind(model, opt).lower(batch).compile().memory_analysis()
-        rec = {"side": "jqlora", "mode": "compile-only", "shape": shape, "seq": seq, "remat": remat,
+        rec = {"side": "jqlora", "mode": "compile-only", "weights": weights, "shape": shape, "seq": seq, "remat": remat,
                "compile_s": round(time.perf_counter() - t0, 1)}
         for k in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                   "host_temp_size_in_bytes", "host_argument_size_in_bytes"):
@@ -201,7 +229,7 @@ def compile_only(shape: str, seqs: list[int], backend: str, attention: str, rema
 def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "einsum",
             loss_chunk: int | None = None, dispatch: str = "bound", packed: bool = False,
             docs: int = 1, segment_tables: bool = True, mesh_spec: str | None = None,
-            remat="nothing_saveable") -> dict:
+            remat="nothing_saveable", weights: str = "nf4") -> dict:
     import functools
 
     import jax
@@ -217,7 +245,8 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     from jqlora.ops import sharding
 
     mesh = parallel.resolve_mesh(mesh_spec) if mesh_spec else None
-    model, opt, batch = build_jax(shape, seq, backend, attention, mesh=mesh, remat=remat)
+    model, opt, batch = build_jax(shape, seq, backend, attention, mesh=mesh, remat=remat, weights=weights)
+    formats = frozen_formats(model)
     rows = batch["input_ids"].shape[1]  # tokens per step: rows x seq
     if not packed:  # one sequence per row, as train(packing=False) feeds it (and as torch runs)
         del batch["segment_ids"]
@@ -239,7 +268,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     if steps == 0:
         if mesh is not None:
             raise SystemExit("--steps 0 runs one device only")
-        return one_step(run, batch, rows, seq, backend, attention)
+        return {**one_step(run, batch, rows, seq, backend, attention), "weights": weights, "frozen_formats": formats}
     built = jax.devices()[0].memory_stats() or {}
     # JAX cannot reset its peak counter: the build's own peak is recorded, so a reader can check
     # that the reported peak is the step's and not the weight generation's.
@@ -268,8 +297,8 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     stats = jax.devices()[0].memory_stats() or {}
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
              for d in (mesh.local_devices if mesh is not None else jax.devices()[:1])]
-    return {"side": "jqlora", "mesh": mesh_spec, "devices": 1 if mesh is None else int(mesh.size),
-            "rows": rows, "peak_gib_per_device": peaks,
+    return {"side": "jqlora", "weights": weights, "frozen_formats": formats, "mesh": mesh_spec,
+            "devices": 1 if mesh is None else int(mesh.size), "rows": rows, "peak_gib_per_device": peaks,
             "backend": backend, "attention": attention, "dispatch": dispatch,
             "segment_mask": packed, "docs": docs if packed else None,
             "segment_tables": "segment_lengths" in batch,
@@ -432,6 +461,9 @@ def main(argv=None):
                         "--seq tokens per device; weights made as random NF4 bytes on their shards")
     p.add_argument("--remat", default="nothing_saveable",
                    help="jax side: none, auto (jqlora.models.remat_plan) or a policy name in REMAT_POLICIES")
+    p.add_argument("--weights", default="nf4", choices=WEIGHTS,
+                   help="jax side: the frozen base as random NF4 (QLoRA) or dense bf16 (bf16-weight LoRA, "
+                        "the ceiling NF4 is measured against); the LoRA is the same")
     p.add_argument("--compile-only", default=None, metavar="SEQS",
                    help="jax side, one device: compile the step at each of these sequence lengths "
                         "(e.g. 131072,262144) and print XLA's memory analysis; nothing runs")
@@ -445,15 +477,16 @@ def main(argv=None):
     logging.getLogger("jqlora.models").setLevel(logging.INFO)  # the remat plan "auto" chose, on stderr
     if a.compile_only:
         compile_only(a.shape, [int(x) for x in a.compile_only.split(",")], a.backend, a.attention,
-                     False if a.remat == "none" else a.remat)
+                     False if a.remat == "none" else a.remat, weights=a.weights)
         return
     if a.side == "jax":
         remat = False if a.remat == "none" else a.remat
         res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch, a.packed,
-                      a.docs, not a.no_segment_tables, a.mesh, remat=remat)
+                      a.docs, not a.no_segment_tables, a.mesh, remat=remat, weights=a.weights)
         res["remat"] = a.remat
     else:
         res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch")
+        res["weights"] = "nf4" if a.side == "torch" else "bf16"
     c = hf_config(a.shape)
     res.update(shape=a.shape, seq=a.seq, flops_per_token=flops_per_token(c, a.seq))
     res["model_tflops"] = res["flops_per_token"] * res["tokens_per_s"] / 1e12

@@ -154,6 +154,18 @@ def per_expert_keys(model_type: str, layer_prefix: str, e: int) -> dict[str, str
     return {p: f"{layer_prefix}.mlp.experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
 
 
+_DENSE_MOE_MODULE_RE = re.compile(r"(?:^|\.)layers\.\d+\.(?:mlp|block_sparse_moe)\."
+                                  r"(?:gate|experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))$")
+
+
+def kept_dense_by_transformers(module: str, model_type: str) -> bool:
+    """Whether `module` (an on-disk module name) is an expert or the router of a Qwen3-MoE / Mixtral
+    layer: weights transformers 5 holds as 3-D and bare parameters, which bitsandbytes does not
+    quantize (it writes them dense in its 4-bit folders) and which it cannot load 4-bit (its
+    converter joins per-expert packed bytes as if they were weights)."""
+    return model_type in ("qwen3_moe", "mixtral") and _DENSE_MOE_MODULE_RE.search(module) is not None
+
+
 def router_key(model_type: str, layer_prefix: str) -> str:
     """The router's on-disk key of a layer."""
     return f"{layer_prefix}.{'block_sparse_moe' if model_type == 'mixtral' else 'mlp'}.gate.weight"

@@ -206,7 +206,8 @@ def load_model_with_adapter(model_path, adapter_dir=None, *, compute_dtype=None,
     return model, report, cfg
 
 
-def import_adapter(adapter, model_path=None, *, tokens: int = 16, dtype: str = "float32") -> dict:
+def import_adapter(adapter, model_path=None, *, tokens: int = 16, dtype: str = "float32",
+                   quantize_experts: str = "auto") -> dict:
     """Check that a PEFT adapter applies to a model and measure what it does (`jqlora import-peft`).
 
     Loads the model with the adapter (strict, see `attach_adapter`) and without it, runs both on
@@ -218,6 +219,7 @@ def import_adapter(adapter, model_path=None, *, tokens: int = 16, dtype: str = "
         a local directory).
       tokens: random tokens per row (2 rows) for the logits comparison.
       dtype: compute dtype name ("float32", "bfloat16", "float16").
+      quantize_experts: the format of dense mixture-of-experts weights (`models.load_causal_lm`).
 
     Returns:
       A report: adapter, model, rank, alpha, use_rslora, scale, dropout, target_modules, matched,
@@ -253,8 +255,9 @@ def import_adapter(adapter, model_path=None, *, tokens: int = 16, dtype: str = "
                                        "is not a local directory)")
         model_path = base
     cdt = jnp_dtype(dtype)
-    model, report, _ = load_model_with_adapter(model_path, adapter, compute_dtype=cdt)
-    base_model = models.load_causal_lm(model_path, compute_dtype=cdt)
+    model, report, _ = load_model_with_adapter(model_path, adapter, compute_dtype=cdt,
+                                               quantize_experts=quantize_experts)
+    base_model = models.load_causal_lm(model_path, compute_dtype=cdt, quantize_experts=quantize_experts)
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, max(1, tokens)))
     fwd = frozen_jit(lambda m, x: m(x))  # the weights stay inputs only (no output copy)
     model.eval()

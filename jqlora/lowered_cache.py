@@ -16,7 +16,10 @@ hashes differently: it is a miss, never a stale hit.
 in front. It is active only when JAX's persistent cache is on (`jax_compilation_cache_dir` set:
 the CLI does it), `jax.export` can serialize (it needs `flatbuffers`) and the arguments live on one
 device; otherwise it returns `fallback()` (the caller's own `jax.jit` of `fun`), and when exporting
-fails it runs plain `jax.jit`. Each signature is traced once per process, as `jax.jit` does.
+fails it runs plain `jax.jit`. Each signature is traced once per process, as `jax.jit` does. The
+program takes the flat arguments, but its outputs keep their pytree types: a custom type among them
+needs `jax.export.register_pytree_node_serialization` (`jqlora.models.cache` registers KVCache,
+which the rollout programs return), else the program is not stored.
 """
 from __future__ import annotations
 

@@ -18,7 +18,12 @@ this by that rounding). Then, by format:
   the decoder layers' linears (blocksize 64, double quantization); lm_head stays as it is.
   Re-quantization can throw the fine-tune away (a delta below NF4's resolution leaves the codes
   as they were), so the nf4 path measures what it keeps (`requantization_report`) before writing
-  anything, and refuses below ``min_kept`` unless forced.
+  anything, and refuses below ``min_kept`` unless forced. A mixture-of-experts model's experts and
+  routers are written dense, per expert, in the checkpoint's dtype (config.json ``dtype``, else
+  as stored), as transformers + bitsandbytes write them: transformers 5 holds experts as 3-D
+  parameters that bitsandbytes does not quantize and cannot load 4-bit experts
+  (`interop.experts.kept_dense_by_transformers`); jqlora quantizes them again at load
+  (``quantize_experts="auto"``), so their merge is kept exactly in the file.
 
 Tokenizer files and generation_config.json are copied when present. The folder is written
 atomically (nothing half-written on failure) and a tensor at a time: the base is held once, in
@@ -300,31 +305,41 @@ def requantization_report(modules: Mapping[str, Mapping[str, Any]]) -> dict[str,
 
 
 def _requantize(params: dict, config: Mapping, plan: Mapping[str, str],
-                adapter: _Adapter) -> tuple[int, dict[str, Any]]:
+                adapter: _Adapter) -> tuple[int, int, dict[str, Any]]:
     """Rewrite `params` for the NF4 output, a weight at a time: each weight the module docstring
     says is quantized becomes an NF4 `Weight4bit` of its merged (or unchanged) value; a merged
-    weight that stays dense keeps its dtype. Returns how many weights were quantized, and
-    `requantization_report` over the merged weights that were quantized.
+    weight that stays dense keeps its dtype; experts and routers are dense in the checkpoint's
+    dtype. Returns how many weights were quantized, how many expert and router weights were
+    written dense, and `requantization_report` over the merged weights that were quantized.
 
     A merged weight's NF4 codes and effect are compared with the base's quantization in the same
     format: the stored weight of an NF4 base, else the base weight quantized as the output is
     (an int8, fp4 or dense base is quantized too, so its own rounding is not counted as lost)."""
+    from interop.experts import kept_dense_by_transformers
+
     linears = _linear_modules(params)
     quantized = {m for m, k in linears.items() if _is_quantized(params[k])}
     if not quantized:  # a dense base: what transformers quantizes, the decoder layers' linears
         quantized = {m for m in linears if ".layers." in f".{m}"}
+    moe = {m for m in linears if kept_dense_by_transformers(m, config.get("model_type", ""))}
+    quantized -= moe
     config_dtype = config.get("dtype", config.get("torch_dtype"))
     count, effects = 0, {}
-    for m in sorted(quantized | set(plan)):
+    for m in sorted(quantized | set(plan) | {m for m in moe if _is_quantized(params[linears[m]])}):
         key = linears[m]
         base = params[key]
         if m in plan:
             w = adapter.merged(m, base)
-        elif isinstance(base, Weight4bit) and base.quant_type == "nf4":
+        elif m not in moe and isinstance(base, Weight4bit) and base.quant_type == "nf4":
             continue  # already NF4 and unchanged: its bytes stay
         else:
             w = dequantize(base, jnp.float32)
         del params[key]
+        if m in moe:  # dense, per expert, in the checkpoint's dtype (a quantized one's as stored)
+            stored = config_dtype if config_dtype in _STORED_DTYPES else (
+                base.stored_dtype if _is_quantized(base) else base.dtype)
+            params[m + ".weight"] = w.astype(stored)
+            continue
         if m not in quantized:  # a dense linear of a quantized base (a skipped module) stays dense
             params[key] = w.astype(base.dtype)
             continue
@@ -344,7 +359,11 @@ def _requantize(params: dict, config: Mapping, plan: Mapping[str, str],
                 base_q = quantize_4bit(dequantize(base, jnp.float32), "nf4", blocksize, nested)
             pair = adapter.params[m]
             effects[m] = requantized_effect(params[m], base_q, pair["lora_A"], pair["lora_B"], adapter.scale)
-    return count, requantization_report(effects)
+    for m in moe:  # unmerged dense experts and routers: cast to the checkpoint's dtype as well
+        key = linears[m]
+        if key in params and config_dtype in _STORED_DTYPES and params[key].dtype != jnp.dtype(config_dtype):
+            params[key] = params[key].astype(config_dtype)
+    return count, len(moe), requantization_report(effects)
 
 
 def _refusal(report: Mapping[str, Any], min_kept: float) -> str:
@@ -381,7 +400,8 @@ def merge_adapter(base, adapter, out, *, format: str = "bf16",  # noqa: A002 - t
 
     Returns:
       {"out", "format", "base", "adapter", "merged" (modules changed), "quantized" (weights
-      quantized anew, nf4), "rank", "alpha", "use_rslora", "scale", "files" (copied beside the
+      quantized anew, nf4), "experts_dense" (nf4: mixture-of-experts expert and router weights
+      written dense), "rank", "alpha", "use_rslora", "scale", "files" (copied beside the
       weights), "requantization" (nf4: `requantization_report` plus "min_kept" and "below_min";
       None for the dense formats)}.
 
@@ -404,9 +424,9 @@ def merge_adapter(base, adapter, out, *, format: str = "bf16",  # noqa: A002 - t
     params, config = interop.load_bnb_checkpoint(base)
     params, adapter = _per_expert(params, config, adapter)
     plan = _check_fit(adapter, params, base)
-    quantized, requant = 0, None
+    quantized, moe_dense, requant = 0, 0, None
     if format == "nf4":  # quantized and measured in memory: a refusal writes nothing
-        quantized, requant = _requantize(params, config, plan, adapter)
+        quantized, moe_dense, requant = _requantize(params, config, plan, adapter)
         requant.update(min_kept=min_kept, below_min=requant["kept"] < min_kept)
         if requant["below_min"] and not force:
             raise RequantizationError(_refusal(requant, min_kept), requant)
@@ -421,7 +441,7 @@ def merge_adapter(base, adapter, out, *, format: str = "bf16",  # noqa: A002 - t
                                       {"format": "pt"}, max_shard_bytes=max_shard_bytes)
         files = _copy_side_files(base, tmp)
     return dict(out=str(out), format=format, base=str(base), adapter=str(adapter.path), merged=len(plan),
-                quantized=quantized, rank=adapter.rank, alpha=adapter.alpha, use_rslora=adapter.use_rslora,
+                quantized=quantized, experts_dense=moe_dense, rank=adapter.rank, alpha=adapter.alpha, use_rslora=adapter.use_rslora,
                 scale=adapter.scale, files=files, requantization=requant)
 
 

@@ -250,6 +250,27 @@ class HFTokenizer:
                 spans.append((len(before), len(upto)))
         return text, spans
 
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The special token the chat template writes after an assistant's text (Gemma's
+        ``<end_of_turn>``, ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``), as a tuple of at most
+        one id; () without a template or such a token. Chat generation stops there too: a base
+        model's generation_config.json often names only its end-of-text token."""
+        if not self.chat_template:
+            return ()
+        probe = "\u2063ok\u2063"  # text no template writes itself
+        try:
+            text = self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}], False)
+        except TokenizerError:
+            return ()
+        at = text.rfind(probe)
+        if at < 0:
+            return ()
+        special = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        for i in self.tokenizer.encode(text[at + len(probe):], add_special_tokens=False).ids:
+            if i in special:
+                return (int(i),)
+        return ()
+
     def chat_ids_and_mask(self, messages: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
         """-> ``(ids int32 (n,), assistant bool (n,))``: the conversation's token ids (those of
         :meth:`apply_chat_template`) and which tokens overlap assistant text."""

@@ -1,6 +1,6 @@
 """Named kernel variants: one place that lists every kernel, so tests and benchmarks cover all.
 
-A new variant is one kernel module (kernel + `VARIANTS`, its jnp oracle in `reference.py`) plus
+A new variant is one kernel module (kernel + `VARIANTS`, its jnp oracle in `reference/<family>.py`) plus
 one line in `_MODULES`. The tuple is immutable; nothing registers itself at import time. The conformance
 suite (tests/kernels/test_variants.py) runs every registered variant against its reference, so a new
 registration is tested with no list to edit.

@@ -8,15 +8,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # Two host devices so sharding tests have a real mesh on a CPU machine. Must precede jax import.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+# The tests compile hundreds of small programs and run each a few times: LLVM's optimisation passes
+# cost more there than they save (about a quarter of the suite's CPU time); numerics are unchanged
+# (no fast-math either way).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JQLORA_COMPILE_CACHE", "0")  # in-process CLI tests never write the per-user cache
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+# 12 derandomized examples a property (hypothesis draws the edges first: one row, ragged tiles,
+# empty groups); a property that needs more sets its own `@settings`.
 settings.register_profile(
-    "jqlora", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+    "jqlora", deadline=None, max_examples=12, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.load_profile("jqlora")
 

@@ -24,7 +24,8 @@ JSON_PARSERS = {
     ("jqlora/train/sources.py", "_jsonl_rows"): "a JSONL data file's lines",
     ("jqlora/train/sources.py", "_json_array_rows"): "a JSON array data file's items (json.JSONDecoder)",
     ("jqlora/train/sources.py", "json_cell"): "a data cell holding JSON (a conversation in a CSV/Parquet column)",
-    ("jqlora/runs.py", "load_config_file"): "a run's config file (JSON or TOML)",
+    ("jqlora/runs/config_file.py", "load_config_file"): "a run's config file (JSON or TOML)",
+    ("jqlora/models/cache.py", "_register_export_serialization"): "a KVCache's static fields inside a stored jax.export program",
 }
 # (file, function) -> the file it reads through read_json_object: the one reader of that file.
 FILE_READERS = {

@@ -38,7 +38,7 @@ import sys
 import threading
 import traceback
 
-from jqlora.cli._common import HelpFormatter, expected_errors, message
+from jqlora.cli._common import HelpFormatter, add_quantize_experts, expected_errors, message
 
 # command name -> module (relative to jqlora.cli)
 COMMANDS = {
@@ -85,6 +85,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=cmd.HELP, description=cmd.DESCRIPTION, formatter_class=HelpFormatter)
         if only is None or only == name:
             cmd.add_arguments(sp)
+            if hasattr(cmd, "QUANTIZE_EXPERTS"):  # the commands that load a model to compute with
+                add_quantize_experts(sp, cmd.QUANTIZE_EXPERTS)
             sp.add_argument("--no-compile-cache", dest="no_compile_cache", action="store_true",
                             default=argparse.SUPPRESS, help=_NO_CACHE_HELP)
         sp.set_defaults(_cmd=cmd, _name=name)

@@ -90,6 +90,27 @@ def model_dir(name: str | os.PathLike, flag: str = "--model") -> Path:
     return resolve_model(name, what=flag)
 
 
+QUANTIZE_EXPERTS_CHOICES = ("auto", "none", "nf4", "fp4", "int8")  # load_causal_lm's quantize_experts
+
+
+def add_quantize_experts(p: argparse.ArgumentParser, default: str) -> None:
+    """`--quantize-experts`, for a command whose module (or command object) sets `QUANTIZE_EXPERTS`
+    to its default (`jqlora.cli.build_parser` adds it to each such command). Absent from `args`
+    when not given (a config file or a run record may set it): read it with `quantize_experts`."""
+    p.add_argument("--quantize-experts", dest="quantize_experts", choices=QUANTIZE_EXPERTS_CHOICES,
+                   default=argparse.SUPPRESS,
+                   help="mixture-of-experts models: the format of expert weights stored dense (bf16). auto: NF4 "
+                        "in a quantized checkpoint (transformers + bitsandbytes leave experts in bf16 there, and "
+                        "they hold most of a MoE's memory); in a plain one, as its other linear layers (train's "
+                        "--quantize). none: keep them as stored; nf4, fp4, int8: that format "
+                        f"(default {default})")
+
+
+def quantize_experts(args: argparse.Namespace, default: str) -> str:
+    """The `--quantize-experts` given, else the command's default."""
+    return getattr(args, "quantize_experts", default)
+
+
 @contextlib.contextmanager
 def echo_log(name: str):
     """Print logger `name`'s INFO records on stderr, one line each, while the block runs (the

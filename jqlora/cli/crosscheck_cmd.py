@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 
-from jqlora.cli._common import CLIError, model_dir
+from jqlora.cli._common import CLIError, model_dir, quantize_experts
 
 HELP = "compare JAX with transformers+bitsandbytes(+PEFT) in torch: per-layer and logits errors"
+# --quantize-experts' default: experts as stored, as transformers holds them (build_parser adds the flag)
+QUANTIZE_EXPERTS = "none"
 DESCRIPTION = """\
 Run the same token ids through (a) transformers AutoModelForCausalLM.from_pretrained(PATH) on CPU
 with bitsandbytes (and peft.PeftModel with --adapter) and (b) jqlora.models.load_causal_lm (+ the
@@ -37,7 +39,10 @@ logits error (vs torch float32) is at most --bf16-ratio (2) times torch's own bf
 every LLM.int8 product agrees; an explicit --tolerance bounds that error instead. The torch side
 uses bitsandbytes' reference path (exact dequantize + linear); --bnb-cpu-kernel keeps its
 eval-mode 4-bit CPU kernel, which rounds to bf16 internally on AVX512-BF16 CPUs (expect ~1e-2).
---int8-numerics weight_only leaves the LLM.int8 run and products out. --perturb X deliberately
+--int8-numerics weight_only leaves the LLM.int8 run and products out. A mixture-of-experts
+model's dense experts stay as stored (--quantize-experts none, the default here); quantized
+(--quantize-experts nf4, or auto), the torch side multiplies the same dequantized experts, so the
+check covers jqlora's grouped 4-bit product. --perturb X deliberately
 scales layer 0's input norm of the JAX model by (1 + X): a self-test showing that the check fails
 and where.
 See docs/numerics.md ("Cross-checking against torch") and jqlora/crosscheck/."""
@@ -77,6 +82,6 @@ def run(args) -> int:
     res = crosscheck(str(path), adapter=args.adapter, tokens=args.tokens, batch=args.batch, seed=args.seed,
                      dtype=args.dtype, tolerance=args.tolerance, bnb_cpu_kernel=args.bnb_cpu_kernel,
                      int8_numerics=args.int8_numerics, perturb=args.perturb,
-                     bf16_ratio=args.bf16_ratio)
+                     bf16_ratio=args.bf16_ratio, quantize_experts=quantize_experts(args, QUANTIZE_EXPERTS))
     print(json.dumps(res.to_dict(), indent=1) if args.json else res.format())
     return 0 if res.passed else 2

@@ -25,7 +25,8 @@ why it declined). Nothing is compiled or run, so --device can name a machine oth
              sorted over E stacked (N, K) experts (--weight may then be dense: a bf16 stack)
 
 --json prints {{"backend", "fwd", "bwd", "rows": [{{"product", "variant", "verdict"}}, ...]}}.
-Library: jqlora.ops.dispatch.explain (explain_grouped with --experts). Bad values exit with status 2 and one line."""
+Library: jqlora.ops.dispatch.explain (jqlora.ops.grouped_dispatch.explain_grouped with --experts).
+Bad values exit with status 2 and one line."""
 
 
 def add_arguments(p):
@@ -78,7 +79,8 @@ def run(args) -> int:
     blocksize = _positive("--blocksize", args.blocksize)
 
     from jqlora._util import jnp_dtype
-    from jqlora.ops.dispatch import explain, explain_grouped
+    from jqlora.ops.dispatch import explain
+    from jqlora.ops.grouped_dispatch import explain_grouped
 
     if experts is None:
         e = explain(weight, m, n, k, blocksize=blocksize, dtype=jnp_dtype(dtype), device=_device(device),

@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 
 from jqlora._util import ATTENTION_AUTO_HELP, ATTENTION_CHOICES, DTYPES
-from jqlora.cli._common import CLIError, model_dir
+from jqlora.cli._common import CLIError, model_dir, quantize_experts
 
 HELP = "generate text from a checkpoint (+ optional PEFT adapter)"
+QUANTIZE_EXPERTS = "auto"  # --quantize-experts' default (jqlora.cli.build_parser adds the flag)
 DESCRIPTION = """\
 Load PATH with jqlora.models.load_causal_lm (bitsandbytes 4/8-bit or plain), apply the PEFT
 adapter given with --adapter, tokenize the prompt (tokenizer.json of PATH, or --tokenizer), and
@@ -137,7 +138,8 @@ def run(args) -> int:
     attention, why = resolve_attention(args.attention, dtype,
                                        soft_capped=attn_softcap_of(read_config(path)) is not None)
     model, report, _ = adapters.load_model_with_adapter(path, args.adapter, compute_dtype=jnp_dtype(dtype),
-                                                        attention=attention)
+                                                        attention=attention,
+                                                        quantize_experts=quantize_experts(args, QUANTIZE_EXPERTS))
     if report is not None:
         print(f"adapter: {len(report['matched'])} LoRA modules from {args.adapter}", file=sys.stderr)
     cfg = model.config
@@ -157,6 +159,8 @@ def run(args) -> int:
             eos.append(named)
         if not eos and sp.eos_id is not None:
             eos.append(sp.eos_id)
+        if args.chat is not None:  # an assistant turn ends at the template's end-of-turn token
+            eos += [i for i in tok.end_of_turn_ids() if i not in eos]
         if entries is not None:
             return _generate_file(args, model, tok, entries, eos, bos=None if args.no_bos else sp.bos_id,
                                   t_start=t_start, dtype=dtype, attention=attention, why=why)

@@ -18,7 +18,10 @@ Merge LoRA weights into the base model and write a Hugging Face folder that need
   --format float32  the same in float32 (exact merged values, for checks)
   --format nf4      the merged weights quantized again to bitsandbytes NF4 (the base weight's
                     blocksize and double quantization) with a quantization_config: loads in
-                    transformers + bitsandbytes and in jqlora; NF4 weights without LoRA keep their bytes
+                    transformers + bitsandbytes and in jqlora; NF4 weights without LoRA keep their bytes.
+                    A mixture-of-experts model's experts and routers stay dense (per expert, in the
+                    checkpoint's dtype), as transformers + bitsandbytes write them: transformers 5
+                    cannot load 4-bit experts; jqlora quantizes them to NF4 at load
 
 SOURCE is a training output directory (as `jqlora train` writes it), its checkpoints/ directory
 or one checkpoints/step_XXXXXXXX directory: the newest checkpoint (or --step's) is validated and
@@ -97,6 +100,8 @@ def run(args) -> int:
             raise
         raise err from None
     quant = f", {r['quantized']} weights quantized to NF4" if r["format"] == "nf4" else ""
+    if r.get("experts_dense"):
+        quant += f", {r['experts_dense']} expert and router weights dense (transformers 5 loads no 4-bit experts)"
     print(f"merged {what} into {r['base']}: {r['merged']} LoRA modules, r={r['rank']}, alpha={r['alpha']:g}, "
           f"scale={r['scale']:g}{quant} -> {r['out']} ({r['format']})")
     requant = r.get("requantization")

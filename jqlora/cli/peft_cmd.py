@@ -5,7 +5,7 @@ import json
 import sys
 import types
 
-from jqlora.cli._common import model_dir
+from jqlora.cli._common import model_dir, quantize_experts
 
 # ============================================================================== export-peft
 EXPORT_DESCRIPTION = """\
@@ -72,7 +72,8 @@ def _import_run(args) -> int:
     from jqlora.adapters import import_adapter
 
     model = None if args.model is None else str(model_dir(args.model))
-    r = import_adapter(args.adapter, model, tokens=args.tokens, dtype=args.dtype)
+    r = import_adapter(args.adapter, model, tokens=args.tokens, dtype=args.dtype,
+                       quantize_experts=quantize_experts(args, import_.QUANTIZE_EXPERTS))
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
@@ -91,4 +92,4 @@ def _import_run(args) -> int:
 
 import_ = types.SimpleNamespace(
     HELP="check a PEFT adapter against a model: modules matched, shapes, effect on logits",
-    DESCRIPTION=IMPORT_DESCRIPTION, add_arguments=_import_args, run=_import_run)
+    DESCRIPTION=IMPORT_DESCRIPTION, add_arguments=_import_args, run=_import_run, QUANTIZE_EXPERTS="auto")

@@ -17,6 +17,7 @@ from jqlora.train.objectives import DPO_LOSSES, GRPO_LOSSES, SCALE_REWARDS
 from jqlora.train.lock import lock_run_dir
 
 HELP = "LoRA fine-tuning of a (bitsandbytes) checkpoint; writes a PEFT adapter at the end"
+QUANTIZE_EXPERTS = "auto"  # --quantize-experts' default (jqlora.runs.ModelSettings; build_parser adds the flag)
 DESCRIPTION = """\
 Load a checkpoint with jqlora.models.load_causal_lm, add LoRA, train it with jqlora.train.train
 on its data (JSONL, a JSON array, CSV/TSV, Parquet, a `datasets` folder or a cached dataset id;
@@ -25,7 +26,8 @@ adapter in PEFT format (interop.save_peft_adapter) to --adapter-out (default <ou
 
 Settings come from, in increasing priority: the stored settings of the run (<out_dir>/
 jqlora_run.json, only with --resume), a config file (--config x.json or x.toml), and flags.
-Config file keys: `model`, `compute_dtype`, `backend`, `attention`, `quantize`, `init_adapter`, `adapter_out`,
+Config file keys: `model`, `compute_dtype`, `backend`, `attention`, `quantize`, `quantize_experts`,
+`init_adapter`, `adapter_out`,
 a `lora` table (rank, alpha, dropout, target_modules, use_rslora) and the TrainConfig fields
 (top level or in a `train` table). Example (TOML):
 
@@ -90,6 +92,10 @@ _FIELD_HELP = {
     "num_generations": "GRPO: completions per prompt", "max_completion_length": "GRPO: new tokens at most",
     "grpo_beta": "GRPO: KL weight (0: no reference pass)", "epsilon": "GRPO: ratio clip",
     "grpo_loss": "GRPO loss normalisation (TRL's)", "scale_rewards": "GRPO: advantages over the std of",
+    "router_aux_loss_coef": "mixture-of-experts models: add the router's load-balancing loss times this "
+                            "(transformers' router_aux_loss_coef * aux_loss; loss.csv: aux_loss); none: as "
+                            "config.json says (on at its router_aux_loss_coef when output_router_logits is "
+                            "true, as transformers does); 0: off",
 }
 
 
@@ -230,7 +236,8 @@ def _run(args, held: contextlib.ExitStack) -> int:
                                        soft_capped=attn_softcap_of(data["model_config"]) is not None)
     print(f"attention: {attention} ({why})", file=sys.stderr)
     model = models.load_causal_lm(model_path, lora=lora_cfg, compute_dtype=jnp_dtype(compute),
-                                  quantize=s.model.quantize, backend=s.model.backend,
+                                  quantize=s.model.quantize, quantize_experts=s.model.quantize_experts,
+                                  backend=s.model.backend,
                                   attention=attention, rngs=nnx.Rngs(config.seed), mesh=config.mesh)
     if init is not None:
         rep = adapters.attach_adapter(model, init, where=str(s.model.init_adapter))

@@ -379,11 +379,48 @@ def set_int8_inference(tm) -> None:
             mod.eval()
 
 
+def share_experts(tm, jax_model) -> int:
+    """Give the torch model `jax_model`'s expert weights where jqlora holds them quantized (dense
+    experts quantized at load, `quantize_experts`): each torch expert stack (transformers 5's
+    `mlp.experts.gate_up_proj` / `down_proj`, under PEFT's wrappers too) becomes jqlora's
+    dequantized stack, so that both sides multiply the same experts and the check is about
+    jqlora's grouped product, not the quantization. Returns the number of stacks set."""
+    import re
+
+    import torch
+
+    from jqlora import quant
+    from jqlora.lora.experts import QLoRAExperts
+
+    mine = {}
+    for i, layer in enumerate(jax_model.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            mod = getattr(getattr(layer.mlp, "experts", None), name, None)
+            if isinstance(mod, QLoRAExperts):
+                w = mod.base.get_value()
+                if isinstance(w.stack, (quant.Weight4bit, quant.Int8Weight)):
+                    mine[(i, name)] = np.asarray(quant.dequantize_experts(w, np.float32))
+    pattern = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(?:base_layer\.)*(gate_up_proj|down_proj)$")
+    count = 0
+    with torch.no_grad():
+        for name, p in tm.named_parameters():
+            m = pattern.search(name)
+            if m is not None and (int(m[1]), m[2]) in mine:
+                w = torch.from_numpy(mine[(int(m[1]), m[2])])
+                if tuple(w.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: torch holds {tuple(p.shape)}, jqlora {tuple(w.shape)}")
+                p.copy_(w.to(p.dtype))
+                count += 1
+    if count != len(mine):
+        raise RuntimeError(f"set {count} of jqlora's {len(mine)} quantized expert stacks in the torch model")
+    return count
+
+
 def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: int = 16, batch: int = 2,
                seed: int = 0, dtype: str = "float32", tolerance: Optional[float] = None, jax_model=None,
                bnb_cpu_kernel: bool = False, int8_numerics: str = "llm_int8", perturb: float = 0.0,
                backend: str = "auto", bf16_ratio: float = BF16_RATIO,
-               weight_rounding: str = "auto") -> CrosscheckResult:
+               weight_rounding: str = "auto", quantize_experts: str = "none") -> CrosscheckResult:
     """Compare jqlora (JAX) with transformers + bitsandbytes (+ PEFT) on the same tokens: weights,
     every layer with each numerics, and LLM.int8 products (the stages: `jqlora.crosscheck.weights`,
     the module docstring, `jqlora.crosscheck.products`; the verdict: the module docstring).
@@ -408,6 +445,9 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
         (4-bit weights dequantized into the compute dtype), "stored" (rounded to the stored dtype
         first), or "auto": the one the installed bitsandbytes computes (`bnb_weight_rounding`).
         Both runs are always reported.
+      quantize_experts: the format of a mixture-of-experts model's dense experts on the JAX side
+        (`load_causal_lm`; "none": as stored, as transformers holds them). Quantized, the torch
+        side gets the same dequantized experts (`share_experts`).
     """
     import jax.numpy as jnp
 
@@ -426,10 +466,9 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
     if jax_model is None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            # mixture-of-experts weights as stored: transformers + bitsandbytes hold dense experts dense
             jax_model, report, _ = load_model_with_adapter(path, adapter, compute_dtype=jnp.dtype(dtype),
                                                            int8_numerics=int8_numerics, backend=backend,
-                                                           quantize_experts="none")
+                                                           quantize_experts=quantize_experts)
         for w in caught:
             # transformers builds its layers from that list, so the torch side cannot run this folder
             if "llm_int8_skip_modules" in str(w.message):
@@ -461,6 +500,10 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
     # stage 1: weights (on the float32 torch model, before any forward can repack bnb weights);
     # the exact reference: float32, LLM.int8 layers on bitsandbytes' weight-only path
     tm32 = load_torch_model(path, dtype="float32", int8_numerics="weight_only", **kw)
+    shared = share_experts(tm32, jax_model)
+    if shared:
+        notes.append(f"{shared} expert stacks quantized on the JAX side; the torch side multiplies the same "
+                     "dequantized experts")
     weights, fixes = check_weights(tm32, jax_model)
     fixes = {n: r for n, r in fixes.items() if next(w for w in weights if w.name == n).kind != "int8"}
     stored = {w.name: w.stored_dtype for w in weights}
@@ -511,6 +554,7 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
         key = "llm_int8" if int8_act else "own"  # the low-precision verdict: like with like
         what = dtype + (" LLM.int8" if int8_act else "")
         tml = load_torch_model(path, dtype=dtype, int8_numerics=int8_numerics, **kw)  # torch's own low precision
+        share_experts(tml, jax_model)
         patch_torch_weights(tml, fixes, stored, torch_rounding)
         with _recording(tml, int8_model, int8_act) as rec:
             refl = torch_model_states(tml, ids)
@@ -556,6 +600,6 @@ def _recording(tm, jax_model, on: bool):
     return Int8ProductRecorder(tm, jax_model) if on else contextlib.nullcontext()
 
 
-__all__ = ["Diff", "CrosscheckResult", "crosscheck", "torch_states", "jax_states", "diff",
+__all__ = ["Diff", "CrosscheckResult", "crosscheck", "share_experts", "torch_states", "jax_states", "diff",
            "perturb_model", "random_tokens", "torch_numerics_model", "with_int8_numerics", "set_int8_inference",
            "load_torch_model", "torch_model_states", "DEFAULT_TOLERANCE", "BF16_RATIO", "RUN_TITLES"]

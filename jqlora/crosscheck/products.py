@@ -10,7 +10,7 @@ and torch's then differ by as much as torch's own bfloat16 run differs from its 
 a wrong int8 scale of 1% hides in that spread (SmolLM2-135M, 2 x 16 random tokens, float32:
 jqlora and torch LLM.int8 logits 3e-2 apart; a 1% error of every int8 scale gives 2e-1 in float32
 and nothing visible in bfloat16). One product on identical inputs has no such spread: jqlora
-reproduces bitsandbytes' CPU arithmetic (`pallas_kernels.reference.llm_int8_matmul_reference`, the oracle of the `llm_int8_tiled` kernel), so its output
+reproduces bitsandbytes' CPU arithmetic (`pallas_kernels.reference.int8.llm_int8_matmul_reference`, the oracle of the `llm_int8_tiled` kernel), so its output
 equals bitsandbytes' up to one ulp of the output dtype, plus float32 summation order
 (`PRODUCT_RTOL` of the largest output) in the 16-bit outlier part.
 

@@ -4,9 +4,7 @@ checkpoints on the Hub are). Everything runs on CPU, offline; nothing is downloa
 from __future__ import annotations
 
 import csv
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -92,20 +90,16 @@ def quantize_with_bnb(dense_dir, out_dir, quant_type: str = "nf4", double_quant:
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from interop.atomic_io import atomic_directory
+
     out_dir = Path(out_dir)
     cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(str(dense_dir), quantization_config=cfg, device_map="cpu",
                                                  dtype=torch.float32)
-    parent = out_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=parent, prefix=f".{out_dir.name}.tmp-") as tmp:
+    # written beside out_dir and renamed into place; the folder gets the umask's mode, as every
+    # export's does (a TemporaryDirectory's would be 0700)
+    with atomic_directory(out_dir, overwrite=True) as tmp:
         model.save_pretrained(tmp)
         task.save_tokenizer(tmp)
-        if out_dir.exists():
-            import shutil
-
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-        os.makedirs(tmp, exist_ok=True)  # let TemporaryDirectory clean up an empty dir
     return out_dir

@@ -117,7 +117,8 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
 
     if model not in REAL_MODELS:
         raise ValueError(f"model must be one of {', '.join(REAL_MODELS)}, got {model!r}")
-    title, builder = REAL_MODELS[model]
+    name = model
+    title, builder = REAL_MODELS[name]
     from jqlora.tokenizer import generation_eos_ids
     from jqlora.train import TrainConfig, load_tokenizer, train
 
@@ -146,6 +147,7 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
     eos = list(generation_eos_ids(ckpt, model.config.eos_token_id))
     if tok.token_id("eos_token") is not None and tok.token_id("eos_token") not in eos:
         eos.append(tok.token_id("eos_token"))
+    eos += [i for i in tok.end_of_turn_ids() if i not in eos]  # the answers are chat turns
     log(f"      {ckpt}; stops at token ids {eos}")
     stage("load", t0)
 
@@ -211,7 +213,7 @@ def run_smollm2_demo(out="demo_out/smollm2", settings: Optional[SmolLM2DemoSetti
     from interop.atomic_io import write_json_atomic
 
     write_json_atomic(out / "summary.json", summary)
-    lines = ["", "=" * 78, f"jqlora demo --model {model}", "=" * 78,
+    lines = ["", "=" * 78, f"jqlora demo --model {name}", "=" * 78,
              f"model         : {ckpt} ({title}, NF4)",
              f"held-out answers in the trained style: before {hits_before}/{len(held_q)} -> "
              f"after {hits_after}/{len(held_q)}",

@@ -9,6 +9,7 @@ than the cache) keep the whole sequence.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Optional
 
@@ -116,3 +117,27 @@ class KVCache:
     @property
     def batch(self) -> int:
         return int(self.segment_ids.shape[0])
+
+
+def _tuples(x):
+    """JSON's lists back as the tuples they were (a static field must hash and compare equal)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _register_export_serialization(cls, serialized_name: str) -> None:
+    """Lets `jax.export` serialize a program whose inputs or outputs hold `cls` (a
+    `register_dataclass` type whose static fields are JSON values: strings, numbers, tuples): the
+    lowered-program cache (`jqlora.lowered_cache`) stores the rollout programs, which return a
+    KVCache. jax keeps one registration per type and per name for the process; importing this
+    module again finds it there and leaves it."""
+    try:
+        jax.export.register_pytree_node_serialization(
+            cls, serialized_name=serialized_name,
+            serialize_auxdata=lambda aux: json.dumps(aux).encode(),
+            deserialize_auxdata=lambda data: _tuples(json.loads(data.decode())))
+    except ValueError as e:
+        if "Duplicate serialization registration" not in str(e):
+            raise
+
+
+_register_export_serialization(KVCache, "jqlora.models.cache.KVCache")

@@ -99,14 +99,16 @@ def rotate_half(x):
     return jnp.concatenate([-x2, x1], axis=-1)
 
 
-def rope_cos_sin(config: ModelConfig, positions: jax.Array, dtype):
+def rope_cos_sin(config: ModelConfig, positions: jax.Array, dtype, per_row: bool = False):
     """cos, sin of shape (B, T, rotary_dim) for integer positions (B, T); fp32 math, then dtype.
     LongRoPE (Phi-3) takes its long table when the call's largest position + 1 exceeds
-    original_max_position_embeddings, as transformers decides per forward call."""
+    original_max_position_embeddings, as transformers decides per forward call; per_row: each
+    row decides by its own largest position (each row as if it ran alone)."""
     inv = jnp.asarray(rope_inv_freq(config))
     switch = longrope_switch(config)
     if switch is not None:
-        inv = jnp.where(jnp.max(positions) + 1 > switch, jnp.asarray(rope_inv_freq(config, long=True)), inv)
+        top = jnp.max(positions, axis=-1, keepdims=True)[..., None] if per_row else jnp.max(positions)
+        inv = jnp.where(top + 1 > switch, jnp.asarray(rope_inv_freq(config, long=True)), inv)
     freqs = positions.astype(jnp.float32)[..., None] * inv  # (B, T, D/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     s = rope_attention_scaling(config)
@@ -224,10 +226,24 @@ class Attention(nnx.Module):
             return out.reshape(b, t, h * d)
         window = None if self.window is None else (self.window - 1, 0)
         mask = None if plain_causal else attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None]
+        if impl == "cudnn" and t % 2 == 1 and k.shape[1] == t:  # cuDNN's backward refuses an odd length
+            q, k, v, mask = pad_to_even_length(q, k, v, mask)
         out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
                                            local_window_size=window if plain_causal else None,
                                            implementation=impl)
-        return out.reshape(b, t, h * d)
+        return out[:, :t].reshape(b, t, h * d)
+
+
+def pad_to_even_length(q, k, v, mask):
+    """q, k, v (B, T, ., d) and a boolean mask (B, 1, T, T) or None (causal only) with one slot
+    more (T + 1), sliced off after: the added key comes after every real query (causal) and is
+    masked for it; the added query sees its own key at least (a row with no key would give NaN,
+    and NaN times a zero cotangent is still NaN in backward)."""
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, 1)) + ((0, 0),) * (a.ndim - 2))  # noqa: E731
+    if mask is not None:
+        t = q.shape[1]
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 1), (0, 1))).at[:, :, t, t].set(True)
+    return pad(q), pad(k), pad(v), mask
 
 
 def ring_attend(k, v, ck, cv, layer, index, k_seg):
@@ -338,7 +354,9 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
 
     def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, runs=None, kv_cache=None, index=None,
-                 impl: str = "einsum", plain_causal: bool = False, mlp_chunk: int = 0):
+                 impl: str = "einsum", plain_causal: bool = False, mlp_chunk: int = 0, router_logits: bool = False):
+        """-> (x, new_kv), or (x, new_kv, router logits (B*T, E) or None for a dense MLP) with
+        `router_logits` (the load-balancing loss reads them)."""
         if isinstance(cos, tuple):  # (global, local) RoPE tables: Gemma 3's sliding layers take the local one
             j = 0 if self.window is None else 1
             cos, sin = cos[j], sin[j]
@@ -346,10 +364,19 @@ class DecoderLayer(nnx.Module):
                                    runs, kv_cache, index, impl, plain_causal)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), mlp_chunk)), new_kv
-        x = x + a
-        x = x + self.mlp(self.post_attention_layernorm(x), mlp_chunk)
-        return x, new_kv
+            m, logits = self._mlp(self.pre_feedforward_layernorm(x), mlp_chunk, router_logits)
+            x = x + self.post_feedforward_layernorm(m)
+        else:
+            x = x + a
+            m, logits = self._mlp(self.post_attention_layernorm(x), mlp_chunk, router_logits)
+            x = x + m
+        return (x, new_kv, logits) if router_logits else (x, new_kv)
+
+    def _mlp(self, x, chunk: int, router_logits: bool):
+        """The MLP's output, and a mixture-of-experts block's router logits when asked (else None)."""
+        if router_logits and isinstance(self.mlp, moe.MoEBlock):
+            return self.mlp(x, chunk, return_router_logits=True)
+        return self.mlp(x, chunk), None
 
 
 class LlamaModel(nnx.Module):
@@ -378,8 +405,10 @@ class DecoderStack(LayerStack):
         return [jax.tree.map(lambda a, j=j: a[j], (rng_state, rest)) for j in range(self.size)]
 
     def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool, layers=None,
-                 cache_row: Optional[int] = None, ring: bool = False):
-        """-> (x, cache, each layer's output stacked (size, B, T, H) or None without `collect`).
+                 cache_row: Optional[int] = None, ring: bool = False, router_logits: bool = False):
+        """-> (x, cache, each layer's output stacked (size, B, T, H) or None without `collect`,
+        each layer's router logits stacked (size, B*T, E) with `router_logits` on mixture-of-experts
+        layers, else None).
         cache: None or (k, v) of shape (rows, B, S, kvh, d); layer start + j uses row cache_row + j
         (default: start + j). ring: those arrays are the sliding layers' ring buffers (`KVCache`).
         layers: `layer_states()` taken earlier: the layers then run one after another in Python
@@ -394,37 +423,37 @@ class DecoderStack(LayerStack):
             layer = nnx.merge(graphdef, rng_j, rest_j)
             x = checkpoint_name(x, LAYER_INPUT)  # what the offloading remat policy keeps on the host
             kv = None if kv is None else (*kv, ring)  # ring: static, never a traced argument
-            x, new_kv = layer(x, *aux, kv_cache=kv, index=index, impl=impl, plain_causal=plain_causal,
-                              mlp_chunk=mlp_chunk)
-            return x, new_kv, nnx.state(layer, nnx.RngState)
+            x, new_kv, *logits = layer(x, *aux, kv_cache=kv, index=index, impl=impl, plain_causal=plain_causal,
+                                       mlp_chunk=mlp_chunk, router_logits=router_logits)
+            return x, new_kv, nnx.state(layer, nnx.RngState), (logits[0] if logits else None)
 
         if policy is not None:  # remat per layer: the scan body is the checkpointed function
             one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
 
         if layers is not None:
-            if collect or len(layers) != self.size:
+            if collect or router_logits or len(layers) != self.size:
                 raise ValueError(f"layers: expected {self.size} layer states and no collected outputs")
             # One traced and lowered function called once per layer: lowering its kernels once,
             # not once per layer (each Mosaic GPU kernel takes a while to lower).
             call = jax.jit(one_layer)
             for j, (rng_j, rest_j) in enumerate(layers):
                 kv = None if cache is None else (*cache, jnp.int32(row0 + j))
-                x, cache, _ = call(x, rng_j, rest_j, kv)
-            return x, cache, None
+                x, cache, _, _ = call(x, rng_j, rest_j, kv)
+            return x, cache, None, None
 
         def body(carry, xs):
             x, kv_all = carry
             rng_j, rest_j, layer_id = xs
             kv = None if kv_all is None else (*kv_all, layer_id)
-            x, new_kv, rng_j = one_layer(x, rng_j, rest_j, kv)
-            return (x, new_kv), (rng_j, x if collect else None)
+            x, new_kv, rng_j, logits = one_layer(x, rng_j, rest_j, kv)
+            return (x, new_kv), (rng_j, x if collect else None, logits)
 
         ids = row0 + jnp.arange(self.size, dtype=jnp.int32)
-        (x, cache), (new_rng, ys) = jax.lax.scan(body, (x, cache), (rng_state, rest, ids))
+        (x, cache), (new_rng, ys, logits) = jax.lax.scan(body, (x, cache), (rng_state, rest, ids))
         if any(isinstance(n, nnx.Dropout) and n.rate > 0 and not n.deterministic
                for _, n in nnx.iter_graph(self.layer)):
             nnx.update(self.layer, new_rng)  # active dropout advanced its RNG counts, per layer
-        return x, cache, ys
+        return x, cache, ys, logits
 
 
 class DecoderLayers(StackedLayers):
@@ -499,17 +528,23 @@ class CausalLM(nnx.Module):
         return softcap(self.lm_head(h), self.config.final_softcap)
 
     def __call__(self, input_ids, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None,
-                 return_states: bool = False, return_hidden: bool = False, segment_runs=None, layer_states=None):
+                 return_states: bool = False, return_hidden: bool = False, segment_runs=None, layer_states=None,
+                 rope_per_row: bool = False, return_router_logits: bool = False):
         """See the class docstring. return_hidden=True returns the final normed hidden states
         (B, T, hidden) instead of logits, so a loss can apply `lm_logits` chunk by chunk and never
         hold the (B, T, vocab) logits at once. segment_runs = `packed_attention.segment_runs(
         segment_ids, M)`: with attention="cudnn", packed rows then run cuDNN's packed layout
         instead of a (T, T) mask (other attention paths ignore it). layer_states: one
         `DecoderStack.layer_states()` list per stack, sliced beforehand (generation slices them
-        once, outside its decode loop)."""
+        once, outside its decode loop). rope_per_row: LongRoPE picks its table per row, by the row's
+        own largest position, not by the call's (batched rollouts: each row as if alone).
+        return_router_logits: return (what the call returns otherwise, router logits), the logits a
+        tuple with one (B*T, E) array per mixture-of-experts layer, in layer order (what the
+        load-balancing loss reads, `moe.load_balancing_loss`)."""
         cfg, dtype = self.config, self.compute_dtype
-        if (return_states or return_hidden) and cache is not None:
-            raise ValueError("return_states / return_hidden are for full-sequence forwards, not cached decoding")
+        if (return_states or return_hidden or return_router_logits) and cache is not None:
+            raise ValueError("return_states / return_hidden / return_router_logits are for full-sequence "
+                             "forwards, not cached decoding")
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {input_ids.shape}")
@@ -530,9 +565,9 @@ class CausalLM(nnx.Module):
             k_slots = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
             if positions is None:
                 positions = q_slots
-        cos, sin = rope_cos_sin(cfg, jnp.asarray(positions), dtype)
+        cos, sin = rope_cos_sin(cfg, jnp.asarray(positions), dtype, per_row=rope_per_row)
         if cfg.local_rope_theta is not None:  # Gemma 3: the sliding layers' own table (DecoderLayer picks)
-            lcos, lsin = rope_cos_sin(cfg.local(), jnp.asarray(positions), dtype)
+            lcos, lsin = rope_cos_sin(cfg.local(), jnp.asarray(positions), dtype, per_row=rope_per_row)
             cos, sin = (cos, lcos), (sin, lsin)
         x = self.model.embed_tokens(input_ids, dtype)
         states = {"embed": x}
@@ -548,24 +583,29 @@ class CausalLM(nnx.Module):
         policy = self._remat_policy(b, t) if cache is None else None
         # the cache's arrays by kind: False = whole-sequence rows, True = sliding layers' ring buffers
         arrays = None if cache is None else {False: (cache.k, cache.v), True: (cache.ring_k, cache.ring_v)}
-        collected = []
+        collected, routed = [], []
         for i, stack in enumerate(self.model.layers.stacks):
             ring, row = (False, None) if cache is None else _stack_slot(cache, stack)
-            x, kv, ys = stack(x, aux, None if cache is None else arrays[ring], index=index, impl=impl,
-                              plain_causal=plain_causal, policy=policy, collect=return_states,
-                              layers=None if layer_states is None else layer_states[i], cache_row=row, ring=ring)
+            x, kv, ys, router = stack(x, aux, None if cache is None else arrays[ring], index=index, impl=impl,
+                                      plain_causal=plain_causal, policy=policy, collect=return_states,
+                                      layers=None if layer_states is None else layer_states[i], cache_row=row,
+                                      ring=ring, router_logits=return_router_logits)
             if cache is not None:
                 arrays[ring] = kv
             if return_states:
                 collected.extend(ys[j] for j in range(stack.size))
+            if router is not None:
+                routed.extend(router[j] for j in range(stack.size))
         x = self.model.norm(x)
-        if return_hidden:
-            return x
-        logits = self.lm_logits(x)
-        if return_states:
-            return logits, {"embed": states["embed"], "layers": tuple(collected), "norm": x}
         if cache is None:
-            return logits
+            if return_hidden:
+                out = x
+            else:
+                logits = self.lm_logits(x)
+                out = (logits, {"embed": states["embed"], "layers": tuple(collected), "norm": x}) \
+                    if return_states else logits
+            return (out, tuple(routed)) if return_router_logits else out
+        logits = self.lm_logits(x)
         return logits, dataclasses.replace(cache, k=arrays[False][0], v=arrays[False][1], ring_k=arrays[True][0],
                                            ring_v=arrays[True][1], segment_ids=k_seg, index=index + t)
 

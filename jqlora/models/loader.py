@@ -103,4 +103,5 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
                        quantize_experts=quantize_experts)
     model.checkpoint_path = os.path.abspath(path)  # what a run record names as the base (jqlora.train.train)
     model.checkpoint_quantize = quantize
+    model.checkpoint_quantize_experts = "none" if quantize_experts is None else quantize_experts
     return parallel.place_model(model, mesh)

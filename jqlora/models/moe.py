@@ -40,9 +40,10 @@ def route(logits: jax.Array, top_k: int, *, normalize: bool, weights_f32: bool):
 
 def load_balancing_loss(router_logits: Sequence[jax.Array], num_experts: int, top_k: int,
                         mask: Optional[jax.Array] = None) -> jax.Array:
-    """transformers' `load_balancing_loss_func`: over every layer's (T, E) logits,
-    E * sum_e f_e * P_e with f_e the fraction of top-k assignments to expert e and P_e the mean
-    router probability of e; `mask` (T,) leaves padding tokens out."""
+    """transformers' `load_balancing_loss_func`: over every layer's (N, E) logits,
+    E * sum_e f_e * P_e with f_e the share of tokens whose top k hold expert e (the f_e sum to k)
+    and P_e the mean router probability of e, both over all layers' tokens; `mask` (N,) or
+    (B, T) with N = B * T, transformers' attention_mask, leaves the tokens where it is 0 out."""
     counts = jnp.zeros((num_experts,), jnp.float32)
     prob_sum = jnp.zeros((num_experts,), jnp.float32)
     rows = jnp.float32(0.0)

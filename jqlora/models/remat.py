@@ -13,7 +13,8 @@ intermediates (4 x intermediate width per token) of one chunk, not of the whole 
 `jqlora.ops.qmatmul` saves the packed weight and dequantizes again (docs/design.md, invariant 2).
 
 The prediction is analytic, per token and per layer, in units of the model's widths, plus the
-weights, the LoRA optimizer state and one loss chunk. Its constants are fitted to the 8B step
+weights, the LoRA optimizer state and one loss chunk; a mixture-of-experts layer counts its router
+and its k experts' rows (`moe_layer_bytes`) where a dense layer counts its MLP. Its constants are fitted to the 8B step
 measured on an H200 (`activation_bytes_per_token`; tests/models/test_scan.py checks the fit). On CPU,
 against `train_step.lower(...).compile().memory_analysis()` of a 4-layer float32 model (hidden
 256, einsum attention), it predicts 0.66-0.69 of the measured growth of temporary memory per
@@ -163,47 +164,94 @@ def activation_bytes_per_token(config: ModelConfig, policy: Optional[str], *, co
 
     Against the 8B step measured on an H200 (batch 1, cuDNN attention, bf16; issue 31): no remat
     predicted 16.4 GiB / measured 16.4 at 2,048 tokens; the matmul outputs 20.0 / 20.8;
-    nothing_saveable 7.1 / 7.09 at 2,048, 13.7 / 13.3 at 16,384, 36.4 / 35.6 at 65,536."""
+    nothing_saveable 7.1 / 7.09 at 2,048, 13.7 / 13.3 at 16,384, 36.4 / 35.6 at 65,536.
+
+    A mixture-of-experts layer (`moe_layer_bytes`) counts its router and its k experts per token
+    in place of the dense MLP's terms; it runs whole under every policy (no MLP chunks)."""
     c = config
     s = jnp.dtype(compute_dtype).itemsize
     h, i, q, kv, nh = c.hidden_size, c.intermediate_size, c.q_features, c.kv_features, c.num_attention_heads
-    lora = 7 * lora_rank * 4
     attn = nh * seq_len * (4 + s) if attention == "einsum" else nh * 4  # scores+probs, or the logsumexp
-    full = (4 * h + 2 * q + 2 * kv + 4 * i) * s + lora + attn
-    # the attention einsums have batch dimensions: this policy recomputes their scores
-    dots = (q + 2 * kv + 2 * h + 2 * i) * 4 + (2 * h + q + i) * s + lora + (0 if attention == "einsum" else attn)
+    # the attention einsums have batch dimensions: dots_with_no_batch_dims_saveable recomputes their scores
+    attn_full = (4 * h + 2 * q + 2 * kv) * s + 4 * lora_rank * 4 + attn
+    attn_dots = (q + 2 * kv + h) * 4 + (h + q) * s + 4 * lora_rank * 4 + (0 if attention == "einsum" else attn)
+    dense = {"full": attn_full + 4 * i * s + 3 * lora_rank * 4,
+             "dots": attn_dots + (2 * i + h) * 4 + (h + i) * s + 3 * lora_rank * 4}
+    moe = {k: attn_full if k == "full" else attn_dots for k in ("full", "dots")}
+    for k, v in moe_layer_bytes(c, compute_dtype=compute_dtype, lora_rank=lora_rank).items():
+        moe[k] += v
+    sparse = sum(bool(x) for x in c.sparse_layers)
     n = c.num_hidden_layers
+    kinds = [(dense, n - sparse), (moe, sparse)]
+    kinds = [(d, count) for d, count in kinds if count]
     if policy is None:
-        return {"kept": int(n * full * KEPT_MEASURED_OVER_COUNTED), "transient": 0, "host": 0}
+        return {"kept": int(sum(count * d["full"] for d, count in kinds) * KEPT_MEASURED_OVER_COUNTED),
+                "transient": 0, "host": 0}
     if policy == "dots_with_no_batch_dims_saveable":
-        return {"kept": int(n * dots * KEPT_MEASURED_OVER_COUNTED), "transient": max(full - dots, 0) + 4 * h * 4,
-                "host": 0}
+        return {"kept": int(sum(count * d["dots"] for d, count in kinds) * KEPT_MEASURED_OVER_COUNTED),
+                "transient": max(max(d["full"] - d["dots"], 0) for d, _ in kinds) + 4 * h * 4, "host": 0}
     if policy in FULL_RECOMPUTE:
         mlp = 4 * i * s
-        transient = full + 4 * h * 4 - (mlp * (1 - MLP_CHUNK_TOKENS / seq_len) if _mlp_chunked(seq_len) else 0)
+        chunked = mlp * (1 - MLP_CHUNK_TOKENS / seq_len) if _mlp_chunked(seq_len) else 0
+        transient = max(d["full"] - (chunked if d is dense else 0) for d, _ in kinds) + 4 * h * 4
         kept = 0 if policy == "offload_layer_inputs" else n * h * s
         return {"kept": kept, "transient": int(transient), "host": n * h * s - kept}
     raise ValueError(f"no memory model for policy {policy!r}; expected one of {AUTO_ORDER}")
 
 
-def _default_param_bytes(config: ModelConfig, compute_dtype) -> int:
-    """Weights of an NF4 (double-quant) checkpoint: 4.127 bits per linear weight; embeddings, the
-    LM head and the norms in the compute dtype."""
+def moe_layer_bytes(config: ModelConfig, *, compute_dtype=jnp.bfloat16, lora_rank: int = 16) -> dict:
+    """Per token, what a mixture-of-experts block keeps for the backward pass in place of a dense
+    MLP's 4 I s: {"full": without remat, "dots": the matmul outputs and the products' inputs}.
+
+    Without remat: the router's logits (E s) and float32 probabilities (E x 4) and the k routing
+    weights (k x 4); per (token, slot) row, k of them per token, the gathered input and the down
+    product's output (2 H s: the grouped products' residual and the routing weight's gradient) and
+    the expert MLP's gate, up, activation and product (4 I s, I = moe_intermediate_size), with the
+    x A^T of LoRA on the two expert stacks (2 r, float32). With the matmul outputs kept: the
+    grouped products are custom_vjp calls, which that policy does not save, so the experts are
+    recomputed in the backward pass and only the block's input (H s), the router's logits and
+    probabilities (E x 8) and the routing (k x 16: weights, expert ids, the sort order and its
+    inverse) stay. (Against `saved_residuals` of a tiny Qwen3-MoE and Mixtral on CPU this counts
+    0.55-0.61 of what the backward keeps without remat, 0.67 for a dense Llama: the CPU grouped
+    product pads its row tiles; with the matmul outputs kept, 0.8 as for the dense model.)"""
     c = config
     s = jnp.dtype(compute_dtype).itemsize
-    per_layer = c.hidden_size * (c.q_features + 2 * c.kv_features) + c.q_features * c.hidden_size \
-        + 3 * c.hidden_size * c.intermediate_size
+    h, i, e, k = c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok
+    return {"full": e * (s + 4) + k * 4 + k * (2 * h + 4 * i) * s + 2 * k * lora_rank * 4,
+            "dots": h * s + e * 8 + k * 16}
+
+
+def _layer_counts(config: ModelConfig) -> tuple[int, int]:
+    """(dense MLP layers, mixture-of-experts layers)."""
+    sparse = sum(bool(x) for x in config.sparse_layers)
+    return config.num_hidden_layers - sparse, sparse
+
+
+def _default_param_bytes(config: ModelConfig, compute_dtype) -> int:
+    """Weights of an NF4 (double-quant) checkpoint: 4.127 bits per linear weight (experts
+    included, as `quantize_experts="auto"` holds them); embeddings, the LM head, the norms and the
+    routers in the compute dtype."""
+    c = config
+    s = jnp.dtype(compute_dtype).itemsize
+    dense, sparse = _layer_counts(c)
+    attn = c.hidden_size * (c.q_features + 2 * c.kv_features) + c.q_features * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    experts = 3 * c.num_experts * c.hidden_size * c.moe_intermediate_size
     emb = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return int(c.num_hidden_layers * per_layer * 4.127 / 8 + emb * s)
+    return int((c.num_hidden_layers * attn + dense * mlp + sparse * experts) * 4.127 / 8
+               + (emb + sparse * c.num_experts * c.hidden_size) * s)
 
 
 def _lora_train_bytes(config: ModelConfig, lora_rank: int) -> int:
     """LoRA gradients (summed in float32) and AdamW's two moments: 3 x the float32 LoRA params,
-    LoRA on all seven projections (the params themselves are in param_bytes)."""
+    LoRA on the four attention projections and the MLP's three, or every expert's (the params
+    themselves are in param_bytes)."""
     c = config
-    per_layer = lora_rank * (3 * c.hidden_size + c.q_features + 2 * c.kv_features + c.q_features
-                             + 3 * (c.hidden_size + c.intermediate_size))
-    return 3 * 4 * c.num_hidden_layers * per_layer
+    dense, sparse = _layer_counts(c)
+    attn = 3 * c.hidden_size + c.q_features + 2 * c.kv_features + c.q_features
+    mlp = 3 * (c.hidden_size + c.intermediate_size)
+    experts = c.num_experts * (2 * c.hidden_size + 3 * c.moe_intermediate_size)  # (H + 2I) + (I + H) per expert
+    return 3 * 4 * lora_rank * (c.num_hidden_layers * attn + dense * mlp + sparse * experts)
 
 
 def state_bytes(module) -> int:

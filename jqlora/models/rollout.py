@@ -26,6 +26,12 @@ A slot is not free: an 8B decode step took 6.2 / 9.2 / 13.2 ms at 32 / 64 / 128 
 
 Sampling: row r's token at step i is drawn with `fold_in(fold_in(key, r), i)`, so a row's sample
 does not depend on the batch bucket or on the other rows.
+
+LongRoPE (Phi-3): each row takes the long factors once its own sequence passes
+original_max_position_embeddings, and at that step its whole cache is recomputed with them, as
+transformers' and jqlora's `generate` do for a sequence alone (`generate.longrope_recompute`). The
+decision is the row's own, so a row's tokens are still those it yields alone; transformers'
+`generate` on a left-padded batch instead switches every row when the padded width passes it.
 """
 from __future__ import annotations
 
@@ -39,8 +45,9 @@ from flax import nnx
 
 from jqlora import lowered_cache
 from jqlora.errors import SettingError
-from jqlora.models.generate import (_sample, decode_layer_states, decode_step, hoist_layers, model_loader, prefill,
-                                    sample_token, token_bucket)
+from jqlora.models.cache import KVCache
+from jqlora.models.config import longrope_switch
+from jqlora.models.generate import _sample, decode_layer_states, hoist_layers, model_loader, sample_token, token_bucket
 
 PROMPT_BUCKET = 64  # the padded prompt width is a multiple of this
 DECODE_CHUNK = 32  # decode steps per call; finished rows are dropped between calls
@@ -124,6 +131,55 @@ def _loader(graphdef, compute_dtype, lora_state, rest):
     return model_loader(graphdef, lora_state, rest)
 
 
+def _prefill(model, prompt, prompt_mask, max_len: int):
+    """`generate.prefill` with each row's LongRoPE table chosen by that row's own positions."""
+    seg = prompt_mask.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(seg, axis=-1) - 1, 0)
+    cache = model.init_cache(prompt.shape[0], max_len)
+    logits, cache = model(prompt, positions=positions, segment_ids=seg, cache=cache, rope_per_row=True)
+    return logits, cache, positions[:, -1] + 1
+
+
+def _step(model, tok, pos, cache, layer_states):
+    """`generate.decode_step` with each row's LongRoPE table chosen by that row's own position."""
+    logits, cache = model(tok[:, None], positions=pos[:, None], cache=cache, layer_states=layer_states,
+                          rope_per_row=True)
+    return logits[:, 0].astype(jnp.float32), cache
+
+
+def _select_rows(rows, new, old):
+    """Per slot, `new`'s rows where `rows` (B,) holds, else `old`'s: a cache's (layers, B, ...)
+    arrays on axis 1, the rest on axis 0; scalars (the shared index) from `new`."""
+    def sel(n, o):
+        if n.ndim == 0:
+            return n
+        shape = (1, -1) + (1,) * (n.ndim - 2) if n.ndim == 5 else (-1,) + (1,) * (n.ndim - 1)
+        return jnp.where(rows.reshape(shape), n, o)
+
+    return jax.tree.map(sel, new, old)
+
+
+def _longrope_switch_rows(model, tok, pos, cache, layer_states, history, i, crossing):
+    """LongRoPE: the step at which the rows in `crossing` (B,) first pass
+    original_max_position_embeddings. Those rows' prompt and generated tokens (`history`: prompt
+    (B, W), its mask, the tokens generated so far (B, bucket), the last of them `tok`) run again
+    into a fresh cache with the long factors (`generate.longrope_recompute`, each row by its own
+    positions), and their logits and cache rows replace the plain step's; the other rows take
+    the plain step. -> (float32 logits (B, V), cache)."""
+    prompt, prompt_mask, gen = history
+    logits, stepped = _step(model, tok, pos, cache, layer_states)
+    t = prompt.shape[1]
+    seg = jnp.concatenate([prompt_mask.astype(jnp.int32),
+                           jnp.broadcast_to(jnp.arange(gen.shape[1]) < i, gen.shape).astype(jnp.int32)], axis=1)
+    positions = jnp.maximum(jnp.cumsum(seg, axis=-1) - 1, 0)
+    fresh = KVCache.init(model.config, tok.shape[0], seg.shape[1], model.compute_dtype, ring=False)
+    full, again = model(jnp.concatenate([prompt, gen], axis=1), positions=positions, segment_ids=seg, cache=fresh,
+                        rope_per_row=True)
+    last = jax.lax.dynamic_index_in_dim(full, t + i - 1, 1, keepdims=False).astype(jnp.float32)
+    again = dataclasses.replace(again, index=jnp.asarray(t + i, jnp.int32)).in_layout_of(cache)
+    return jnp.where(crossing[:, None], last, logits), _select_rows(crossing, again, stepped)
+
+
 def _prefill_program(lora_state, rest, prompt, prompt_mask, active, key, stops, temperature, top_p, *, graphdef,
                      compute_dtype, cache_len, greedy, use_top_p, return_logprobs):
     """The prompts into a fresh cache and each row's first token: (cache, token, next position,
@@ -132,17 +188,19 @@ def _prefill_program(lora_state, rest, prompt, prompt_mask, active, key, stops, 
     rows = jnp.arange(prompt.shape[0], dtype=jnp.int32)
     pick, logprob, is_stop = _sampler(key, rows, temperature, top_p, greedy=greedy, use_top_p=use_top_p,
                                       return_logprobs=return_logprobs, stops=stops)
-    logits, cache, next_pos = prefill(model, prompt, prompt_mask, cache_len)
+    logits, cache, next_pos = _prefill(model, prompt, prompt_mask, cache_len)
     first = logits[:, -1].astype(jnp.float32)
     tok = pick(first, 0)
     done = (is_stop(tok) & active) | ~active  # rows that only fill the batch bucket: done from the start
     return cache, tok, next_pos, done, logprob(first, tok)
 
 
-def _decode_program(lora_state, rest, cache, tok, pos, done, rows, key, stops, temperature, top_p, start, stop, *,
-                    graphdef, compute_dtype, chunk, greedy, use_top_p, return_logprobs, hoist):
+def _decode_program(lora_state, rest, cache, tok, pos, done, rows, key, stops, temperature, top_p, start, stop, history,
+                    *, graphdef, compute_dtype, chunk, greedy, use_top_p, return_logprobs, hoist):
     """Decode steps start, start + 1, ... < stop (at most `chunk`) until every slot is done.
-    rows: the prompt index of each slot (its sampling key). -> (cache, token, position, done,
+    rows: the prompt index of each slot (its sampling key). history: None, or for LongRoPE each
+    slot's (prompt (B, W), prompt mask, tokens generated before `start` (B, bucket)), the tokens
+    a row's recompute runs again (`_longrope_switch_rows`). -> (cache, token, position, done,
     tokens (B, chunk), log-probs (B, chunk) or (B, 0), the step reached)."""
     load = _loader(graphdef, compute_dtype, lora_state, rest)
     model = load()
@@ -150,22 +208,36 @@ def _decode_program(lora_state, rest, cache, tok, pos, done, rows, key, stops, t
     pick, logprob, is_stop = _sampler(key, rows, temperature, top_p, greedy=greedy, use_top_p=use_top_p,
                                       return_logprobs=return_logprobs, stops=stops)
     layer_states = decode_layer_states(model, hoist)  # sliced once, outside the loop
+    switch = longrope_switch(model.config)
+    if switch is None or switch >= cache.max_len:
+        history = None  # no row can pass original_max_position_embeddings here
+    gen = None if history is None else history[2]
 
     def cond(carry):
         return (carry[0] < stop) & ~jnp.all(carry[4])
 
     def body(carry):
-        i, tok, pos, cache, done, out, lps = carry
-        step_logits, cache = decode_step(load(), tok, pos, cache, layer_states)
+        i, tok, pos, cache, done, out, lps, gen = carry
+        if history is None:
+            step_logits, cache = _step(load(), tok, pos, cache, layer_states)
+        else:  # a live row whose next token sits at position `switch`: its sequence passes it now
+            crossing = (pos == switch) & ~done
+            step_logits, cache = jax.lax.cond(
+                jnp.any(crossing),
+                lambda c: _longrope_switch_rows(load(), tok, pos, c, layer_states, (*history[:2], gen), i, crossing),
+                lambda c: _step(load(), tok, pos, c, layer_states), cache)
         new = pick(step_logits, i)
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, i - start))
+        if gen is not None:
+            gen = jax.lax.dynamic_update_slice(gen, new[:, None], (0, i))
         if return_logprobs:
             lps = jax.lax.dynamic_update_slice(lps, logprob(step_logits, new), (0, i - start))
-        return i + 1, new, pos + 1, cache, done | is_stop(new), out, lps
+        return i + 1, new, pos + 1, cache, done | is_stop(new), out, lps, gen
 
     out = jnp.zeros((b, chunk), jnp.int32)
     lps = jnp.zeros((b, chunk if return_logprobs else 0), jnp.float32)
-    i, tok, pos, cache, done, out, lps = jax.lax.while_loop(cond, body, (start, tok, pos, cache, done, out, lps))
+    i, tok, pos, cache, done, out, lps, _ = jax.lax.while_loop(cond, body,
+                                                               (start, tok, pos, cache, done, out, lps, gen))
     return cache, tok, pos, done, out, lps, i
 
 
@@ -265,6 +337,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     # without stop ids no row ends early: one decode call (chunks cost a host round trip each)
     chunk = decode_chunk if compact and (stops >= 0).any() else bucket
     hoist = {}
+    longrope = longrope_switch(model.config) is not None
     i = 1
     while i < total:
         live = ~np.asarray(done)
@@ -279,9 +352,14 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         if b not in hoist:
             hoist[b] = hoist_layers(model, b, width + bucket, decode_layers)
         end = min(i + chunk, total)
+        history = None
+        if longrope:  # what a row's LongRoPE recompute runs again: its prompt and its tokens so far
+            gen = np.full((b, bucket), int(pad_token_id), np.int32)
+            gen[:, :i] = tokens[slots, :i]
+            history = (jnp.asarray(ids[slots]), jnp.asarray(mask[slots]), jnp.asarray(gen))
         cache, tok, pos, done, out, lp, reached = _run(
             _decode_program, _decode_jit, "rollout_decode", lora_state, rest, cache, tok, pos, done,
-            jnp.asarray(slots, jnp.int32), key, *common, jnp.int32(i), jnp.int32(end), chunk=chunk,
+            jnp.asarray(slots, jnp.int32), key, *common, jnp.int32(i), jnp.int32(end), history, chunk=chunk,
             hoist=hoist[b], **mode)
         reached = int(reached)
         tokens[slots, i:reached] = np.asarray(out)[:, :reached - i]

@@ -4,7 +4,7 @@ Both take 2-D operands already in the compute dtype and accumulate in float32. T
 dequantizes with the jnp reference (a transient dense weight inside one function, never saved);
 the kernel backends hand the packed bytes and scales to a Pallas variant from the registry.
 Kernels are reached through `pallas_kernels.registry` only; the LLM.int8 xla path runs the jnp
-oracle of `pallas_kernels.reference`.
+oracle of `pallas_kernels.reference.int8`.
 """
 from __future__ import annotations
 
@@ -78,10 +78,10 @@ def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "
         if not isinstance(q, Int8Weight):
             raise ValueError("numerics='llm_int8' applies to Int8Weight only")
         if plan.backend == "xla":
-            from pallas_kernels import reference
+            from pallas_kernels.reference import int8 as int8_reference
 
-            return reference.llm_int8_matmul_reference(x, q.cb, q.scb,
-                                                       threshold=q.threshold).astype(out_dtype)
+            return int8_reference.llm_int8_matmul_reference(x, q.cb, q.scb,
+                                                            threshold=q.threshold).astype(out_dtype)
         return _variant(plan.fwd).fn(x, q.cb, q.scb, threshold=q.threshold, out_dtype=out_dtype,
                                      interpret=plan.interpret)
     if plan.backend == "xla":

@@ -7,8 +7,8 @@ custom_vjp returns a gradient for x only, and its backward pass keeps the packed
 group sizes, never a dense expert stack, and dequantizes again (dx[rows of e] = dy @ W_e).
 
 Which implementation runs each product is decided once per call by
-`jqlora.ops.dispatch.choose_grouped_plan` (the `GROUPED_RULES` table; `explain_grouped` says why).
-The "xla" path dequantizes the stack with the jnp reference and runs `jax.lax.ragged_dot_general`
+`jqlora.ops.grouped_dispatch.choose_grouped_plan` (the `GROUPED_RULES` table; `explain_grouped`
+says why). The "xla" path dequantizes the stack with the jnp reference and runs `jax.lax.ragged_dot_general`
 (a dense expansion on GPU: fine on CPU, slow at real sizes on a GPU).
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jqlora.ops.dispatch import Plan, choose_grouped_plan
+from jqlora.ops.dispatch import Plan
+from jqlora.ops.grouped_dispatch import choose_grouped_plan
 from jqlora.ops.products import acc_dtype, after, precision
 from jqlora.quant import ExpertWeights, Weight4bit, absmax_f32, dequantize_experts
 

@@ -16,7 +16,7 @@ def torch_style_inverse_127(s: jax.Array) -> jax.Array:
     roundings). This value decides exact .5 ties of the codes, and XLA's GPU value of it can
     differ from torch's in the last bit, so it is looked up in a table of all 2**16 float16
     values computed by numpy's IEEE float32 (the same table as
-    `pallas_kernels.reference.torch_inverse_127_of_f16`; this package imports no kernels)."""
+    `pallas_kernels.reference.int8.torch_inverse_127_of_f16`; this package imports no kernels)."""
     table_in = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         table = (np.float32(1.0) / table_in) * np.float32(127.0)

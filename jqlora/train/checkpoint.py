@@ -355,3 +355,14 @@ def _replace(var, value):
     if isinstance(var, nnx.Variable):
         return var.replace(value)
     return value
+
+
+def stored_loss_window(checkpoint: Path | None) -> dict | None:
+    """The ``loss.csv`` window a checkpoint stored (``MetricsLog.window_state``), or None."""
+    if checkpoint is None:
+        return None
+    try:
+        w = (read_state(checkpoint).get("extra") or {}).get("loss_window")
+        return w if isinstance(w, dict) else None
+    except (ValueError, TypeError, AttributeError):  # CheckpointError is a ValueError
+        return None

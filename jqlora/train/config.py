@@ -52,6 +52,10 @@ class TrainConfig:
     b2: float = 0.999
     grad_clip: float | None = 1.0
     final_lr_ratio: float = 0.0
+    # mixture-of-experts models: the router's load-balancing loss, added times this (transformers'
+    # `router_aux_loss_coef * aux_loss`); None: as config.json says (on, at its router_aux_loss_coef,
+    # when output_router_logits is true, as transformers does); 0: off
+    router_aux_loss_coef: float | None = None
     bos: Any = "auto"            # see tokenization.special_tokens
     eos: Any = "auto"
     overflow: str = "truncate"   # long examples: "truncate" or "split"
@@ -109,6 +113,13 @@ class TrainConfig:
             from .objectives import validate_objective  # noqa: PLC0415 (no jax there either)
 
             validate_objective(self)
+        coef = self.router_aux_loss_coef
+        if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float))
+                                 or not 0 <= coef < math.inf):
+            raise ValueError(f"TrainConfig.router_aux_loss_coef must be a number >= 0 or None, got {coef!r}")
+        if coef and self.objective != "sft":
+            raise ValueError(f"TrainConfig.router_aux_loss_coef is added to the SFT loss only; "
+                             f"objective {self.objective!r} does not take it")
         _check_remat(self.remat)
         if self.tensorboard and not tensorboard_available():
             raise ValueError("TrainConfig.tensorboard is on but tensorboardX is not installed "

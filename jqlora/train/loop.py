@@ -25,8 +25,9 @@ Length: ``steps`` optimizer steps, or ``epochs`` passes over the tokenized, pack
 One process writes to an ``out_dir`` at a time (:func:`jqlora.train.lock.lock_run_dir`); under that
 lock a run removes the temp files of writes a killed process left behind.
 
-Outputs in ``out_dir``: ``loss.csv`` (step, loss, lr, tokens_per_s, grad_norm: one row per logged
-step), ``loss.png``, ``eval.csv`` (step, eval_loss, perplexity; when evaluating), TensorBoard event
+Outputs in ``out_dir``: ``loss.csv`` (step, loss, lr, tokens_per_s, grad_norm, and aux_loss when a
+mixture-of-experts model adds its router's load-balancing loss (`router_aux_coef`): one row per
+logged step), ``loss.png``, ``eval.csv`` (step, eval_loss, perplexity; when evaluating), TensorBoard event
 files in ``tensorboard/`` (:mod:`jqlora.train.metrics`) and ``checkpoints/step_XXXXXXXX``.
 """
 from __future__ import annotations
@@ -46,15 +47,16 @@ import numpy as np
 from flax import nnx
 
 from .checkpoint import (STATE_FILE, NonFiniteStateError, latest_checkpoint, list_checkpoints, read_state,
-                         remove_stale_saves, restore_checkpoint, save_checkpoint)
+                         remove_stale_saves, restore_checkpoint, save_checkpoint, stored_loss_window)
 from .config import TrainConfig, resolve_run_length, tensorboard_available
 from .data import SegmentTables, training_batches
 from .examples import Example, Schema, parse_example
 from .metrics import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, MetricsLog, write_loss_plot
 from .optim import make_optimizer, make_schedule, schedule_table
-from .step import evaluate, train_step
+from .step import evaluate, train_step, train_step_aux
 from .tokenization import check_tokenizer_fits, load_tokenizer, special_tokens, tokenize_examples, tokenize_source
 from .. import parallel
+from ..errors import SettingError
 from ..ops import sharding
 
 __all__ = ["TrainConfig", "TrainResult", "NonFiniteLossError", "train"]
@@ -202,6 +204,28 @@ def _apply_remat(model, remat) -> None:
                   "mutable config.remat field: training without rematerialization", stacklevel=3)
 
 
+def router_aux_coef(model, config: TrainConfig) -> float | None:
+    """The coefficient of the router's load-balancing loss for this run, None when it is off:
+    ``config.router_aux_loss_coef`` when set (0: off), else config.json's ``router_aux_loss_coef``
+    where its ``output_router_logits`` is true (what transformers adds then).
+
+    Raises:
+      SettingError: a coefficient > 0 for a model without mixture-of-experts layers."""
+    cfg = getattr(model, "config", None)
+    moe = bool(getattr(cfg, "num_experts", 0)) and any(getattr(cfg, "sparse_layers", ()))
+    coef = config.router_aux_loss_coef
+    if coef is None:
+        on = moe and cfg.output_router_logits and cfg.router_aux_loss_coef > 0
+        return float(cfg.router_aux_loss_coef) if on else None
+    if not coef:
+        return None
+    if not moe:
+        kind = getattr(cfg, "model_type", type(model).__name__)
+        raise SettingError(f"TrainConfig.router_aux_loss_coef={coef:g}: the load-balancing loss is for "
+                           f"mixture-of-experts models; this {kind} model has no router")
+    return float(coef)
+
+
 def _prepare_one_device(model, optimizer, config) -> None:
     """A run's set-up on one device once its checkpoint is restored (the objectives' loop)."""
     _remove_stale_temp(Path(config.out_dir))
@@ -314,6 +338,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
     if not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
         raise ValueError("the model has no nnx.LoRAParam variables: nothing to train")
 
+    aux_coef = router_aux_coef(model, config)
     it = _build_iterator(config, data, tokenizer, model)
     eval_it = _build_iterator(config, eval_data, tokenizer, model, eval_=True)
     if config.eval_every and eval_it is None:
@@ -358,7 +383,15 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
     model.train()
     # bound once: the per-step split/update of the whole model graph is host time the device
     # would wait for whenever the host has nothing queued (at checkpoints, evals, with on_step)
-    step_fn = sharding.with_mesh(mesh, train_step.bind(model, optimizer))
+    if aux_coef is None:
+        step_fn = sharding.with_mesh(mesh, train_step.bind(model, optimizer))
+    else:
+        with_aux = train_step_aux.bind(model, optimizer)
+        coef = np.float32(aux_coef)
+        step_fn = sharding.with_mesh(mesh, lambda b: with_aux(b, coef))
+        if config.progress is not False:
+            print(f"train: router load-balancing loss on, coefficient {aux_coef:g} (loss.csv: aux_loss)",
+                  file=sys.stderr, flush=True)
 
     if length.describe() is not None and config.progress is not False:
         print(f"train: {length.describe()}", file=sys.stderr, flush=True)
@@ -366,7 +399,9 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
                      log_every=config.log_every, evaluating=eval_it is not None,
                      tensorboard=(tensorboard_available() if config.tensorboard is None
                                   else config.tensorboard),
-                     progress=config.progress, progress_every_s=PROGRESS_EVERY_S)
+                     progress=config.progress, progress_every_s=PROGRESS_EVERY_S,
+                     **({} if aux_coef is None else {"columns": ("aux_loss",), "shown": ("aux_loss",)}))
+    log.restore_window(stored_loss_window(last_ckpt) if resumed_from is not None else None)
     result = TrainResult(step=start, steps=[], losses=[], lrs=[], grad_norms=[],
                          tokens_per_s=[], eval_losses=[], checkpoint=last_ckpt,
                          resumed_from=resumed_from, out_dir=out_dir, csv_path=out_dir / CSV_NAME,
@@ -395,7 +430,9 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
             # One example per row from position 0, padding after it: under plain causal
             # attention no real token sees a padding key, so the segment mask changes nothing
             # for the loss, and without it cuDNN runs its mask-free causal kernels.
-            del batch["segment_ids"]
+            segments = batch.pop("segment_ids")
+            if aux_coef is not None:  # the load-balancing loss leaves the padding out
+                batch["attention_mask"] = (segments > 0).astype(np.int32)
         elif getattr(model, "attention", None) == "cudnn":
             segment_tables.add(batch)
         return (batch if mesh is None else parallel.shard_batch(batch, mesh)), ntok, skipped
@@ -410,7 +447,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
             result.checkpoint = save_checkpoint(
                 ckpt_dir, model, optimizer, data_state, step, keep=keep, require_finite=True,
                 extra={"train_config": dataclasses.asdict(config),
-                       "skipped_batches": result.skipped_batches})
+                       "skipped_batches": result.skipped_batches, "loss_window": log.window_state()})
         except NonFiniteStateError as e:
             raise NonFiniteLossError(step, m["loss"], m["grad_norm"], result.checkpoint,
                                      detail=f"'{e.key}' holds NaN/Inf") from None

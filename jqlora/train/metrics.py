@@ -5,7 +5,7 @@ to one :class:`MetricsLog` and draws the plot with :func:`write_loss_plot`.
 
 ``loss.csv`` has a row at step 1, every ``log_every``-th step and the last step; its ``loss`` is
 the mean of the steps' losses since the previous row (so a row at step 20 with ``log_every`` 10
-averages steps 11-20), its ``lr`` and ``grad_norm`` are the row's step's, its ``tokens_per_s`` the
+averages steps 11-20, across a resume: checkpoints keep the window's sums), its ``lr`` and ``grad_norm`` are the row's step's, its ``tokens_per_s`` the
 window's rate.
 
 TensorBoard: event files in ``<out_dir>/tensorboard/`` (scalars ``train/loss``, ``train/lr``,
@@ -216,6 +216,18 @@ class MetricsLog:
         self.start_clock()
         self._window_tokens = self._line_tokens = 0
         self._window_loss, self._window_steps = 0.0, 0  # loss.csv's mean since its previous row
+
+    def window_state(self) -> dict:
+        """The losses (and objective metrics) summed since the last ``loss.csv`` row: a checkpoint
+        keeps them, so the first row after a resume averages the same steps as without one."""
+        return {"loss": self._window_loss, "steps": self._window_steps, "columns": dict(self._window_cols)}
+
+    def restore_window(self, state: dict | None) -> None:
+        """Continue the window a checkpoint's :meth:`window_state` left (None: a fresh one)."""
+        if state:
+            self._window_loss = float(state.get("loss", 0.0))
+            self._window_steps = int(state.get("steps", 0))
+            self._window_cols = {str(k): float(v) for k, v in (state.get("columns") or {}).items()}
 
     def start_clock(self) -> None:
         """Time the next step from now (once its batch is ready and the step is about to go)."""

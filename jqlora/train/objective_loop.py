@@ -25,7 +25,8 @@ import jax
 from flax import nnx
 
 from ..errors import SettingError
-from .checkpoint import NonFiniteStateError, latest_checkpoint, restore_checkpoint, save_checkpoint
+from .checkpoint import (NonFiniteStateError, latest_checkpoint, restore_checkpoint, save_checkpoint,
+                         stored_loss_window)
 from .config import resolve_run_length, tensorboard_available
 from .metrics import CSV_NAME, MetricsLog, write_loss_plot
 from .optim import make_optimizer, make_schedule, schedule_table
@@ -135,6 +136,7 @@ def train_objective(model, config, make_task, *, data, tokenizer, eval_data, on_
                      tensorboard=(tensorboard_available() if config.tensorboard is None else config.tensorboard),
                      progress=config.progress, progress_every_s=30.0, columns=task.columns,
                      eval_columns=task.eval_columns, shown=task.shown)
+    log.restore_window(stored_loss_window(last_ckpt) if resumed_from is not None else None)
     result = result_type(step=start, steps=[], losses=[], lrs=[], grad_norms=[], tokens_per_s=[],
                          eval_losses=[], checkpoint=last_ckpt, resumed_from=resumed_from,
                          out_dir=out_dir, csv_path=out_dir / CSV_NAME, png_path=None,
@@ -147,7 +149,8 @@ def train_objective(model, config, make_task, *, data, tokenizer, eval_data, on_
         try:
             result.checkpoint = save_checkpoint(
                 ckpt_dir, model, optimizer, task.state_dict(), step, keep=keep, require_finite=True,
-                extra={"train_config": dataclasses.asdict(config), "skipped_batches": 0})
+                extra={"train_config": dataclasses.asdict(config), "skipped_batches": 0,
+                       "loss_window": log.window_state()})
         except NonFiniteStateError as e:
             raise non_finite_error(step, m["loss"], m["grad_norm"], result.checkpoint,
                                    detail=f"'{e.key}' holds NaN/Inf") from None

@@ -68,6 +68,8 @@ def api_record(model, config, model_path: Optional[str | os.PathLike] = None) ->
         rec["attention"] = model.attention
     if getattr(model, "checkpoint_quantize", None):
         rec["quantize"] = model.checkpoint_quantize
+    if getattr(model, "checkpoint_quantize_experts", "auto") != "auto":
+        rec["quantize_experts"] = model.checkpoint_quantize_experts
     rec["lora"] = model_lora(model)
     train = dataclasses.asdict(config)
     for key in ("data_path", "eval_data_path", "tokenizer_path", "chat_template"):

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import (
+from pallas_kernels.reference.grouped import (
     check_grouped_operands,
     grouped_matmul_reference,
     grouped_matmul_t_reference,

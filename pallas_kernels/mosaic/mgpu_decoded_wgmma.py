@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.reference import (
+from pallas_kernels.reference.fourbit import (
     check_4bit_weight, check_x, denest_absmax_reference, matmul_4bit_reference, supports_4bit)
 from pallas_kernels.mosaic.mgpu_decode import (
     code_loader, codes_layout, decode_fn, mosaic_modules, scale_denester)

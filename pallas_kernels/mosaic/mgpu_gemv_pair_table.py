@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.reference import matmul_4bit_gemv_reference, supports_4bit
+from pallas_kernels.reference.fourbit import matmul_4bit_gemv_reference, supports_4bit
 from pallas_kernels.mosaic.mgpu_decode import mosaic_modules
 from pallas_kernels.mosaic.mgpu_pair_table import (
     LANES, LOAD_V4_PTX, TABLE_BARRIER, asm, pair_table_product, scale_loaders, smem_address)

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.reference import supports_4bit
+from pallas_kernels.reference.fourbit import supports_4bit
 from pallas_kernels.mosaic.mgpu_decode import mosaic_modules
 from pallas_kernels.mosaic.mgpu_mma_layout import (
     GROUP, TABLE_BYTES, TILE_KS, MmaPairTableConfig, acc_count, mma_columns, smem_bytes)

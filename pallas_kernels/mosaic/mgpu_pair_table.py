@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.reference import check_4bit_weight, check_x
+from pallas_kernels.reference.fourbit import check_4bit_weight, check_x
 from pallas_kernels.mosaic.mgpu_decode import DENEST_PTX, mosaic_modules
 
 LANES = 32  # a warp: the pair tables hold one copy per lane

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
-from pallas_kernels.reference import (
+from pallas_kernels.reference.fourbit import (
     check_4bit_weight, check_x, matmul_4bit_decoded_dot_reference, split_code_table, supports_4bit)
 from pallas_kernels.triton.dequant_tiled import (
     HIGHEST, apply_scales, kernel_scale_refs, nested_kernel_inputs, pick_block_bytes, row_mask)

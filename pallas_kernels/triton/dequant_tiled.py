@@ -1,7 +1,7 @@
 """4-bit (NF4/FP4) blockwise dequantization (`dequant_tiled`): a Pallas (Triton lowering) kernel.
 
 The layout, the operand checks and the oracle (`dequantize_4bit_reference`) are in
-`pallas_kernels.reference`. This module also holds the tile decode the fused matmul kernels
+`pallas_kernels.reference.fourbit`. This module also holds the tile decode the fused matmul kernels
 share (scale blocks, nibble decode, in-kernel de-nesting).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
-from pallas_kernels.reference import (
+from pallas_kernels.reference.fourbit import (
     NESTED_BLOCKSIZE, check_4bit_operands, dequantize_4bit_reference, supports_4bit, unfused)
 from pallas_kernels.registry import Variant
 

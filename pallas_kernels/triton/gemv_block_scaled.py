@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat, nibble_lookup
 from pallas_kernels._compat import cdiv
-from pallas_kernels.reference import (
+from pallas_kernels.reference.fourbit import (
     check_4bit_weight, check_x, matmul_4bit_gemv_reference, matmul_4bit_rounded_codes_reference,
     supports_4bit)
 from pallas_kernels.triton.dequant_tiled import (

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.reference import (
+from pallas_kernels.reference.grouped import (
     check_grouped_4bit_operands,
     check_grouped_operands,
     grouped_matmul_4bit_reference,

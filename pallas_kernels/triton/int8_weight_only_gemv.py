@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.reference import check_int8_operands, int8_row_scale, matmul_int8_reference
+from pallas_kernels.reference.int8 import check_int8_operands, int8_row_scale, matmul_int8_reference
 from pallas_kernels.triton.matmul_int8 import pad2, round_up
 from pallas_kernels.registry import Variant
 

@@ -1,6 +1,6 @@
 """`llm_int8_tiled`: LLM.int8() inference matmul with bitsandbytes' numerics (`MatMul8bitLt` eval
 forward), Pallas (Triton lowering). Its jnp half (activation quantization, epilogue) and its
-oracle `llm_int8_matmul_reference` are in `pallas_kernels.reference`; the numerics of both:
+oracle `llm_int8_matmul_reference` are in `pallas_kernels.reference.int8`; the numerics of both:
 
 bitsandbytes 0.50.2, default/CPU ops (`backends/default/ops.py`):
 1. A16 = x.astype(float16) (MatMul8bitLt casts before quantizing).
@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.reference import (
+from pallas_kernels.reference.int8 import (
     CPU_DEQUANT_CONSTANT, CUDA_DEQUANT_CONSTANT, INV127, check_int8_operands, llm_int8_bias,
     llm_int8_epilogue, llm_int8_matmul_reference, quantize_activations_llm_int8)
 from pallas_kernels.triton.matmul_int8 import (

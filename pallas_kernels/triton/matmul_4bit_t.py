@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
-from pallas_kernels.reference import (
+from pallas_kernels.reference.fourbit import (
     check_4bit_operands, check_x, matmul_4bit_t_reference, supports_4bit)
 from pallas_kernels.triton.dequant_tiled import (
     HIGHEST as _HIGHEST, dequant_tiled, load_code_scalars, pick_block_bytes, resolve_method)

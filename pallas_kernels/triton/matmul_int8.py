@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import load as _masked_load
-from pallas_kernels.reference import (
+from pallas_kernels.reference.int8 import (
     INV127, check_int8_operands, check_int8_weight, int8_row_scale, matmul_int8_reference,
     matmul_int8_t_reference)
 from pallas_kernels.triton.matmul_4bit import dot_out

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
 from pallas_kernels._compat import cdiv
-from pallas_kernels.reference import (
+from pallas_kernels.reference.fourbit import (
     check_4bit_weight, check_x, matmul_4bit_small_m_reference, supports_4bit)
 from pallas_kernels.triton.dequant_tiled import (
     HIGHEST as _HIGHEST, denest_tile, load_code_scalars, nested_kernel_inputs, pick_block_bytes,

@@ -18,6 +18,26 @@ def test_the_shape_is_gemma3_12b():
     assert mc.sliding_windows.count(1024) == 40 and mc.local_rope_theta == 10_000.0 and mc.rope_type == "linear"
 
 
+def test_transformers_reads_the_shape_as_the_12b_conversion_writes_it():
+    """transformers' reading of the bench's config equals the text config of transformers' own
+    Gemma 3 12B conversion (convert_gemma3_weights.py, `_VARIANT_GEMMA_3_12B`, with the 64 image-token
+    rows its multimodal checkpoints add to the vocabulary): every field the architecture reads."""
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.Gemma3TextConfig(
+        vocab_size=262_144 + 64, hidden_size=30 * 128, intermediate_size=30 * 128 * 8 // 2, num_attention_heads=16,
+        head_dim=256, num_hidden_layers=48, num_key_value_heads=8, sliding_window=1024,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0},
+                         "sliding_attention": {"rope_type": "default"}},
+        rope_theta=1_000_000, rope_local_base_freq=10_000, attn_logit_softcapping=None, query_pre_attn_scalar=256)
+    got = transformers.AutoConfig.for_model(**gemma_bench.config(tiny=False))
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "hidden_activation", "max_position_embeddings", "rms_norm_eps",
+            "tie_word_embeddings", "rope_parameters", "query_pre_attn_scalar", "sliding_window", "layer_types",
+            "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention", "bos_token_id",
+            "eos_token_id", "pad_token_id")
+    assert {k: getattr(got, k) for k in keys} == {k: getattr(ref, k) for k in keys}
+
+
 @pytest.mark.torch
 def test_tiny_steps_of_both_sides():
     pytest.importorskip("peft")

@@ -1,5 +1,6 @@
 """benchmarks/rollout_bench --tiny: the rollout benchmark end to end on CPU (tiny shape), its
-records' fields and arithmetic, and its stop cases (the GPU numbers come from the same code)."""
+records' fields and arithmetic, its stop cases and its --profile path (the GPU numbers come from the
+same code; on a CPU the trace holds no GPU kernels)."""
 import json
 
 import pytest
@@ -11,11 +12,17 @@ from jqlora.models import rollout
 def test_tiny_run_writes_consistent_records(tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     before = rollout.compiled_programs()
-    assert rollout_bench.main(["--tiny", "--out", str(out)]) == 0
-    recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+    run = rollout._run
+    assert rollout_bench.main(["--tiny", "--profile", "--out", str(out)]) == 0
+    *recs, prof = [json.loads(ln) for ln in out.read_text().splitlines()]
     printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("rollout_bench: ")]
-    assert len(printed) == 2 and [r["case"] for r in recs] == ["none", "random"]
+    assert len(printed) == 3 and [r["case"] for r in recs] == ["none", "random"]
     none, rand = recs
+    # --profile: one traced call of case none, read against both rollout programs' compiled HLO
+    assert prof["bench"] == "rollout_profile" and prof["steps"] == 8
+    assert prof["hlo_programs"] == ["rollout_prefill", "rollout_decode"] and prof["hlo_instructions"] > 100
+    assert prof["gpu_us_per_step"] == 0 and prof["kernels_per_step"] == 0  # a CPU trace: no GPU kernels
+    assert rollout._run is run  # the spy is gone
     for r in recs:
         assert r["batch"] == 4 and r["new_tokens"] == 8 and r["seconds"] > 0 and r["platform"] == "cpu"
         assert r["tokens_per_s"] == pytest.approx(r["generated_tokens"] / r["seconds"], rel=1e-2)

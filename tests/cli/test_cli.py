@@ -5,6 +5,7 @@ same function)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -392,3 +393,20 @@ def test_demo_pipeline_quick(tmp_path):
     assert (Path(s["adapter"]) / "adapter_model.safetensors").is_file()
     assert json.loads((tmp_path / "demo" / "summary.json").read_text())["accuracy_after"] == s["accuracy_after"]
     assert "before" in text and "crosscheck" in text and "jqlora demo summary" in text
+
+
+def test_demo_quantized_folder_follows_the_umask(tmp_path):
+    """The demo's NF4 folder, written beside its place and renamed there, gets the umask's mode as
+    every export does (a temporary directory's is 0700); a second build replaces it."""
+    checkpoint_factory = pytest.importorskip("checkpoint_factory")
+    from jqlora.demo.build import quantize_with_bnb
+
+    dense = checkpoint_factory.build_llama_checkpoint(tmp_path / "dense", quant=None)
+    old = os.umask(0o022)
+    try:
+        out = quantize_with_bnb(dense, tmp_path / "demo" / "base-nf4")
+        assert out.stat().st_mode & 0o777 == 0o755
+        assert quantize_with_bnb(dense, out) == out and (out / "config.json").is_file()
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755 and sorted(p.name for p in out.parent.iterdir()) == ["base-nf4"]

@@ -153,10 +153,10 @@ def int8_ckpt(tmp_path_factory):
 
 def _plant_int8_scale(monkeypatch, scale):
     """Make every int8 scale of jqlora's LLM.int8 product `scale` x too large (the weights stay right)."""
-    from pallas_kernels import reference
+    from pallas_kernels.reference import int8 as int8_reference
 
-    right = reference.llm_int8_matmul_reference
-    monkeypatch.setattr(reference, "llm_int8_matmul_reference",
+    right = int8_reference.llm_int8_matmul_reference
+    monkeypatch.setattr(int8_reference, "llm_int8_matmul_reference",
                         lambda x, cb, scb, **kw: right(x, cb, scb * scale, **kw))
 
 

@@ -1,7 +1,7 @@
 """Conformance suite of the grouped (mixture-of-experts) kernels: every variant of
 `registry.grouped_variants()` against its reference, with no list to edit.
 
-- The tile schedule every grouped kernel shares (`reference.grouped_tiles`) covers each row
+- The tile schedule every grouped kernel shares (`reference.grouped.grouped_tiles`) covers each row
   below sum(group_sizes) exactly once, one group and one row block per tile, on ragged sizes
   (empty experts, one expert taking every row, sizes not multiples of the tile, M past the sum).
 - Each variant runs against its reference on those shapes where it can run here: interpretable
@@ -25,7 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ir_fingerprint import lowered_modules
-from pallas_kernels import reference, registry
+from pallas_kernels import registry
+from pallas_kernels.reference.grouped import grouped_tiles
 
 GROUPED = registry.grouped_variants()
 ON_GPU = jax.default_backend() == "gpu"
@@ -88,13 +89,13 @@ def test_schedule_covers_each_row_once(e, m, block_m, data):
     if data.draw(st.booleans()):  # one expert takes every row
         gs = [0] * e
         gs[data.draw(st.integers(0, e - 1))] = m
-    tiles = reference.grouped_tiles(jnp.asarray(gs, jnp.int32), m, block_m)
+    tiles = grouped_tiles(jnp.asarray(gs, jnp.int32), m, block_m)
     assert schedule_problems(tiles, gs, m, block_m) == []
 
 
 def test_planted_bug_in_the_schedule_is_caught():
     gs, m, bm = [5, 0, 130, 1], 140, 64
-    tiles = np.array(reference.grouped_tiles(jnp.asarray(gs, jnp.int32), m, bm))
+    tiles = np.array(grouped_tiles(jnp.asarray(gs, jnp.int32), m, bm))
     off = tiles.copy()
     off[2, 1] += 1  # one tile's end a row too far
     assert schedule_problems(off, gs, m, bm)
@@ -241,9 +242,9 @@ def test_metadata_is_valid():
 
 
 def test_grouped_rules_name_registered_variants_of_the_right_op():
-    from jqlora.ops import dispatch
+    from jqlora.ops import dispatch, grouped_dispatch
 
-    for r in dispatch.GROUPED_RULES:
+    for r in grouped_dispatch.GROUPED_RULES:
         if r.variant is not None:
             op = registry.get(r.variant).op
             assert op.startswith("grouped_matmul") and op.endswith("_t") == (r.product == "bwd"), r

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels._compat import auto_interpret, cdiv, resolve_interpret
-from pallas_kernels.reference import (
+from pallas_kernels.reference.fourbit import (
     denest_absmax_reference, dequantize_4bit_reference, matmul_4bit_block_dot_reference,
     matmul_4bit_gemv_reference, matmul_4bit_reference, matmul_4bit_rounded_codes_reference,
     matmul_4bit_small_m_reference, matmul_4bit_t_reference, split_code_table)

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.reference import dequantize_4bit_reference, matmul_4bit_decoded_dot_reference
+from pallas_kernels.reference.fourbit import dequantize_4bit_reference, matmul_4bit_decoded_dot_reference
 from pallas_kernels.triton.decoded_dot import decoded_dot
 from test_kernels_4bit import (
     DTYPES, INTERPRET, NF4, TABLES, assert_matmul_close, assert_same_products, check_nested,

@@ -25,7 +25,7 @@ from pallas_kernels.mosaic.mgpu_pipeline import split_windows
 from pallas_kernels.mosaic import mgpu_decoded_wgmma as mm
 from pallas_kernels.mosaic import mgpu_decode as md
 from pallas_kernels.mosaic import mgpu_decoded_wgmma_t as mt
-from pallas_kernels.reference import matmul_4bit_reference, matmul_4bit_t_reference
+from pallas_kernels.reference.fourbit import matmul_4bit_reference, matmul_4bit_t_reference
 from pallas_kernels.nibble_lookup import _lop3, _prmt
 from mosaic_lowering import lower_for_cuda
 

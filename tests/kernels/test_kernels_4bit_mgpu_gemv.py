@@ -21,7 +21,7 @@ from jqlora import ops, quant
 from jqlora.quant import tables
 from pallas_kernels import registry
 from pallas_kernels.mosaic import mgpu_gemv_pair_table as mg
-from pallas_kernels.reference import matmul_4bit_gemv_reference
+from pallas_kernels.reference.fourbit import matmul_4bit_gemv_reference
 from pallas_kernels.nibble_lookup import _prmt
 from mosaic_lowering import lower_for_cuda
 

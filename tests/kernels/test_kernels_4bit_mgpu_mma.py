@@ -21,7 +21,7 @@ from pallas_kernels.mosaic import mgpu_mma_pair_table as mm
 from pallas_kernels.mosaic import mgpu_mma_layout as ml
 from pallas_kernels.mosaic import mgpu_mma_pieces as mp_pieces
 from pallas_kernels.mosaic import mgpu_pipeline as mp
-from pallas_kernels.reference import matmul_4bit_gemv_reference
+from pallas_kernels.reference.fourbit import matmul_4bit_gemv_reference
 from mosaic_lowering import lower_for_cuda
 from test_kernels_4bit_mgpu_gemv import _problem, _run
 

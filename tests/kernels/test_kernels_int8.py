@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from pallas_kernels import reference as ref
+from pallas_kernels.reference import int8 as ref
 from pallas_kernels import registry
 from pallas_kernels.triton import int8_weight_only_gemv as mg
 from pallas_kernels.triton import llm_int8_tiled as ml

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 from jqlora import quant
 from pallas_kernels import registry
-from pallas_kernels.reference import denest_absmax_reference, dequantize_4bit_reference
+from pallas_kernels.reference.fourbit import denest_absmax_reference, dequantize_4bit_reference
 from ir_fingerprint import _args as abstract_args
 from ir_fingerprint import lowered_modules
 from ir_fingerprint import MS as PROTOCOL_MS

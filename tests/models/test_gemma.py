@@ -13,7 +13,6 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -23,29 +22,12 @@ from jqlora.models.config import ModelConfig  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
-T = 20  # longer than the windows (6)
-
-
-def _ids(b=2, t=T, seed=0):
-    return np.random.default_rng(seed).integers(0, fc.TINY["vocab_size"], (b, t))
-
-
-def _rel(got, ref):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
-
-
-def _torch_forward(m, ids):
-    with torch.no_grad():
-        out = m(torch.tensor(ids), output_hidden_states=True)
-    return out.logits.float().numpy(), [h.float().numpy() for h in out.hidden_states]
-
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
 def dense(request):
-    cfg = {"gemma2": fc.GEMMA2, "gemma3": fc.GEMMA3}[request.param]
+    cfg = fc.FAMILIES[request.param]
     tm = fc.text_model(cfg)
-    params = {k: jnp.asarray(v.numpy()) for k, v in tm.state_dict().items()}
+    params = fc.jax_params(tm)
     return request.param, tm, params, tm.config.to_dict()
 
 
@@ -66,30 +48,30 @@ def test_config_reads_the_gemma_switches(dense):
 
 def test_logits_and_every_layer_match_transformers_fp32(dense):
     kind, tm, params, cfg = dense
-    ids = _ids()
-    ref, ref_states = _torch_forward(tm, ids)
+    ids = fc.ids()
+    ref, ref_states = fc.torch_forward(tm, ids)
     m = models.from_params(params, cfg, compute_dtype=jnp.float32)
     logits, states = m(jnp.asarray(ids), return_states=True)
-    assert _rel(logits, ref) < 2e-5, kind
-    assert _rel(states["embed"], ref_states[0]) < 1e-6  # the sqrt(hidden) scale
+    assert fc.rel_error(logits, ref) < 2e-5, kind
+    assert fc.rel_error(states["embed"], ref_states[0]) < 1e-6  # the sqrt(hidden) scale
     for i, h in enumerate(states["layers"][:-1]):  # transformers' last hidden state is after the norm
-        assert _rel(h, ref_states[i + 1]) < 2e-5, (kind, i)
-    assert _rel(states["norm"], ref_states[-1]) < 2e-5
+        assert fc.rel_error(h, ref_states[i + 1]) < 2e-5, (kind, i)
+    assert fc.rel_error(states["norm"], ref_states[-1]) < 2e-5
 
 
 def test_bf16_compute_matches_transformers_bf16(dense):
     kind, tm, params, cfg = dense
-    ids = _ids()
-    ref, _ = _torch_forward(fc.text_model({"gemma2": fc.GEMMA2, "gemma3": fc.GEMMA3}[kind], dtype=torch.bfloat16), ids)
+    ids = fc.ids()
+    ref, _ = fc.torch_forward(fc.text_model(fc.FAMILIES[kind], dtype=torch.bfloat16), ids)
     m = models.from_params({k: v.astype(jnp.bfloat16) for k, v in params.items()}, cfg, compute_dtype=jnp.bfloat16)
-    assert _rel(m(jnp.asarray(ids)).astype(jnp.float32), ref) < 3e-2, kind
+    assert fc.rel_error(m(jnp.asarray(ids)).astype(jnp.float32), ref) < 3e-2, kind
 
 
 def test_greedy_generation_equals_transformers(dense):
     """Cached decoding (windows and soft-caps in the decode path) gives transformers' greedy tokens,
     past the window."""
     kind, tm, params, cfg = dense
-    prompt = _ids(1, 5, seed=3)
+    prompt = fc.ids(1, 5, seed=3)
     with torch.no_grad():
         ref = tm.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 5:].numpy()
     m = models.from_params(params, cfg, compute_dtype=jnp.float32)
@@ -102,8 +84,8 @@ def test_cudnn_attention_refuses_soft_capped_models(dense):
     if kind == "gemma3":  # no soft-cap: the fused path serves it (compared with einsum below)
         m = models.from_params(params, cfg, compute_dtype=jnp.float32, attention="xla")
         ref = models.from_params(params, cfg, compute_dtype=jnp.float32)
-        ids = jnp.asarray(_ids())
-        assert _rel(m(ids), ref(ids)) < 1e-5
+        ids = jnp.asarray(fc.ids())
+        assert fc.rel_error(m(ids), ref(ids)) < 1e-5
         return
     with pytest.raises(ValueError, match="soft-capping.*attention='einsum'"):
         models.from_params(params, cfg, compute_dtype=jnp.float32, attention="cudnn")
@@ -113,10 +95,10 @@ def test_cudnn_attention_refuses_soft_capped_models(dense):
 def test_quantized_gemma3_matches_bitsandbytes(tmp_path_factory, fmt):
     """bitsandbytes' training path (dequantize + linear) in float32, as for Llama (test_models.py)."""
     path = fc.cached(tmp_path_factory, "gemma3", fmt)
-    ids = _ids()
-    ref, _ = _torch_forward(fc.load_with_transformers(path, train=True), ids)
+    ids = fc.ids()
+    ref, _ = fc.torch_forward(fc.load_with_transformers(path, train=True), ids)
     m = models.load_causal_lm(path, compute_dtype=jnp.float32)
-    assert _rel(m(jnp.asarray(ids)), ref) < 1e-4
+    assert fc.rel_error(m(jnp.asarray(ids)), ref) < 1e-4
 
 
 def test_multimodal_gemma3_loads_its_text_model(tmp_path_factory, caplog):
@@ -129,54 +111,31 @@ def test_multimodal_gemma3_loads_its_text_model(tmp_path_factory, caplog):
     from transformers import AutoModelForImageTextToText
 
     tm = AutoModelForImageTextToText.from_pretrained(str(path), device_map="cpu", attn_implementation="eager").train()
-    ids = _ids()
+    ids = fc.ids()
     with torch.no_grad():
         ref = tm(input_ids=torch.tensor(ids)).logits.float().numpy()
     with caplog.at_level(logging.INFO, logger="jqlora"):
         m = models.load_causal_lm(path, compute_dtype=jnp.float32)
     assert any("vision tower" in r.getMessage() for r in caplog.records)
     assert m.config.model_type == "gemma3_text" and m.config.tie_word_embeddings
-    assert _rel(m(jnp.asarray(ids)), ref) < 1e-4
+    assert fc.rel_error(m(jnp.asarray(ids)), ref) < 1e-4
 
 
 def test_lora_gradients_match_peft(dense):
     """LoRA on every projection: loss and gradients of each A and B equal PEFT's on the same model."""
-    peft = pytest.importorskip("peft")
     kind, tm, params, cfg = dense
     targets = list(lora.DEFAULT_TARGETS)
-    pm = peft.get_peft_model(fc.text_model({"gemma2": fc.GEMMA2, "gemma3": fc.GEMMA3}[kind]),
-                             peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
-    g = torch.Generator().manual_seed(1)
-    values = {}
-    with torch.no_grad():
-        for name, mod in pm.named_modules():
-            if hasattr(mod, "lora_B") and "default" in getattr(mod, "lora_B", {}):
-                mod.lora_B["default"].weight.copy_(0.1 * torch.randn(mod.lora_B["default"].weight.shape, generator=g))
-                values[name.removeprefix("base_model.model.")] = {
-                    "lora_A": mod.lora_A["default"].weight.numpy().copy(),
-                    "lora_B": mod.lora_B["default"].weight.numpy().copy()}
-    ids = _ids()
-    x, y = torch.tensor(ids[:, :-1]), torch.tensor(ids[:, 1:])
-    logits = pm(x).logits
-    loss_t = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    loss_t.backward()
-    ref = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad.numpy()
-           for n, p in pm.named_parameters() if p.grad is not None}
+    pm, values = fc.peft_model(fc.FAMILIES[kind], targets)
+    ids = fc.ids()
+    loss_t, ref = fc.peft_loss_and_grads(pm, ids)
 
     m = models.from_params(params, cfg, compute_dtype=jnp.float32, rngs=nnx.Rngs(0),
                            lora=lora.LoraConfig(rank=4, alpha=8, target_modules=targets))
     lora.set_lora_params(m, values)
-
-    def loss_fn(model):
-        lg = model(jnp.asarray(ids[:, :-1])).astype(jnp.float32)
-        lp = jax.nn.log_softmax(lg, -1)
-        return -jnp.take_along_axis(lp, jnp.asarray(ids[:, 1:])[..., None], -1).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
-    assert abs(float(loss) - float(loss_t)) < 1e-5
-    got = lora.lora_state_by_module(m, grads)
+    loss, got = fc.lora_loss_and_grads(m, ids)
+    assert abs(loss - loss_t) < 1e-5
     assert len(got) == len(values)
     for name, g_ in got.items():
         for k in ("lora_A", "lora_B"):
             r = ref[f"{name}.{k}.weight"]
-            assert _rel(g_[k], r) < 1e-4, (kind, name, k)
+            assert fc.rel_error(g_[k], r) < 1e-4, (kind, name, k)

@@ -3,6 +3,7 @@ process, a different program never gets another's entry, a damaged entry or a fa
 uncached, and generation through it equals generation without it."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -159,6 +160,47 @@ def test_generation_through_the_cache_equals_generation_without_it(store, monkey
         for a, b in zip(plain, cached):
             np.testing.assert_array_equal(a, b)
     assert calls == {"export": 2, "deserialize": 2}  # greedy and sampling: two programs
+
+
+def test_rollouts_through_the_cache_equal_rollouts_without_it(store, monkeypatch, caplog):
+    """`generate_batch`'s prefill and decode programs (which return a KVCache) are stored, a new
+    process reads them back, and the tokens, lengths and log-probabilities are those of plain jit.
+    Decode calls of 2 steps: the cache a read-back program returns goes into the next call."""
+    from test_rollout import PROMPTS
+
+    from jqlora.models.rollout import generate_batch
+
+    m = _model(2)
+    kw = dict(key=None, temperature=0.0, return_logprobs=True, stop_token_ids=[0], decode_chunk=2)
+    monkeypatch.setattr(lowered_cache, "cache_dir", lambda: None)
+    plain = generate_batch(m, PROMPTS, 7, **kw)
+    monkeypatch.setattr(lowered_cache, "cache_dir", lambda: store)
+    calls = _spy(monkeypatch)
+    for _ in range(2):  # stored, then read back by a "new process"
+        lowered_cache._slot.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="jqlora.lowered_cache"):
+            cached = generate_batch(m, PROMPTS, 7, **kw)
+        for f in ("tokens", "lengths", "finished", "logprobs"):
+            np.testing.assert_array_equal(getattr(cached, f), getattr(plain, f), err_msg=f)
+    assert "not stored" not in caplog.text and "cannot read" not in caplog.text, caplog.text
+    assert calls == {"export": 2, "deserialize": 2}  # prefill and decode
+    assert sorted(f.name.split("-")[0] for f in store.iterdir()) == ["rollout_decode", "rollout_prefill"]
+
+
+def test_a_ring_cache_layout_survives_serialization():
+    """A KVCache with ring layers out of a stored program: the same pytree structure (its layout
+    tuples hash and compare equal) and the same arrays."""
+    from jqlora.models.cache import KVCache
+
+    c = KVCache(k=jnp.ones((1, 2, 8, 1, 4)), v=jnp.zeros((1, 2, 8, 1, 4)), segment_ids=jnp.ones((2, 8), jnp.int32),
+                index=jnp.int32(3), ring_k=jnp.full((2, 2, 4, 1, 4), 2.0), ring_v=jnp.zeros((2, 2, 4, 1, 4)),
+                layout=(("ring", 0), ("full", 0), ("ring", 1)))
+    exported = jax.export.export(jax.jit(lambda c: dataclasses.replace(c, index=c.index + 1)))(c)
+    back = jax.export.deserialize(exported.serialize())
+    assert back.out_tree == jax.tree.structure(c) and hash(back.out_tree) == hash(jax.tree.structure(c))
+    out = back.call(c)
+    assert out.layout == c.layout and int(out.index) == 4
+    np.testing.assert_array_equal(out.ring_k, c.ring_k)
 
 
 def _train(steps=3):

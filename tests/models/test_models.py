@@ -452,7 +452,8 @@ def _attention_pair(saved, arch, dtype, impl):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("arch", ["mistral", "qwen3"])  # sliding window + GQA; head_dim 32 + qk-norm
+# sliding window + GQA; head_dim 32 + qk-norm (slow tier: the norms run before either attention path)
+@pytest.mark.parametrize("arch", ["mistral", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_fused_attention_path_matches_einsum(arch, saved):
     """attention="xla" goes through jax.nn.dot_product_attention (the call that runs cuDNN flash
     attention with "cudnn" on a GPU): same logits and LoRA gradients as the einsum path, for plain

@@ -28,25 +28,10 @@ T = 20  # past original_max_position_embeddings (8) and the window (12)
 SHORT = 7  # inside original_max_position_embeddings: the short factors
 
 
-def _ids(b=2, t=T, seed=0):
-    return np.random.default_rng(seed).integers(0, fc.TINY["vocab_size"], (b, t))
-
-
-def _rel(got, ref):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
-
-
-def _torch_forward(m, ids):
-    with torch.no_grad():
-        out = m(torch.tensor(ids), output_hidden_states=True)
-    return out.logits.float().numpy(), [h.float().numpy() for h in out.hidden_states]
-
-
 @pytest.fixture(scope="module")
 def phi3():
     tm = fc.text_model(fc.PHI3)
-    params = {k: jnp.asarray(v.numpy()) for k, v in tm.state_dict().items()}
+    params = fc.jax_params(tm)
     return tm, params, tm.config.to_dict()
 
 
@@ -65,21 +50,21 @@ def test_config_reads_fused_projections_longrope_and_partial_rotary(phi3):
 @pytest.mark.parametrize("t", [T, SHORT])
 def test_logits_and_every_layer_match_transformers_fp32(phi3, t):
     tm, params, cfg = phi3
-    ids = _ids(t=t)
-    ref, ref_states = _torch_forward(tm, ids)
+    ids = fc.ids(t=t)
+    ref, ref_states = fc.torch_forward(tm, ids)
     m = models.from_params(params, cfg, compute_dtype=jnp.float32)
     logits, states = m(jnp.asarray(ids), return_states=True)
-    assert _rel(logits, ref) < 2e-5, t
+    assert fc.rel_error(logits, ref) < 2e-5, t
     for i, h in enumerate(states["layers"][:-1]):
-        assert _rel(h, ref_states[i + 1]) < 2e-5, (t, i)
+        assert fc.rel_error(h, ref_states[i + 1]) < 2e-5, (t, i)
 
 
 def test_bf16_compute_matches_transformers_bf16(phi3):
     _, params, cfg = phi3
-    ids = _ids()
-    ref, _ = _torch_forward(fc.text_model(fc.PHI3, dtype=torch.bfloat16), ids)
+    ids = fc.ids()
+    ref, _ = fc.torch_forward(fc.text_model(fc.PHI3, dtype=torch.bfloat16), ids)
     m = models.from_params({k: v.astype(jnp.bfloat16) for k, v in params.items()}, cfg, compute_dtype=jnp.bfloat16)
-    assert _rel(m(jnp.asarray(ids)).astype(jnp.float32), ref) < 3e-2
+    assert fc.rel_error(m(jnp.asarray(ids)).astype(jnp.float32), ref) < 3e-2
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nf4", "int8"])
@@ -87,63 +72,34 @@ def test_saved_folders_match_transformers(tmp_path_factory, fmt):
     """The fused linears through bitsandbytes' 4-bit and 8-bit formats and a plain bf16 folder:
     bitsandbytes' training path (dequantize + linear) in float32, as for Llama."""
     path = fc.cached(tmp_path_factory, "phi3", fmt)
-    ids = _ids()
+    ids = fc.ids()
     tm = fc.load_with_transformers(path, train=True)
-    ref, _ = _torch_forward(tm.float() if fmt == "bf16" else tm, ids)
+    ref, _ = fc.torch_forward(tm.float() if fmt == "bf16" else tm, ids)
     m = models.load_causal_lm(path, compute_dtype=jnp.float32)
     kind = {"bf16": jax.Array, "nf4": quant.Weight4bit, "int8": quant.Int8Weight}[fmt]
     for lin in (m.model.layers[0].self_attn.qkv_proj, m.model.layers[0].mlp.gate_up_proj):
         assert isinstance(lin.base.get_value(), kind), fmt
-    assert _rel(m(jnp.asarray(ids)), ref) < 1e-4
-
-
-def _peft_model(targets, seed=1):
-    """PEFT LoRA on a fresh transformers Phi-3 with random (nonzero) B; -> (peft model, {module: A, B})."""
-    peft = pytest.importorskip("peft")
-    pm = peft.get_peft_model(fc.text_model(fc.PHI3), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                                      lora_dropout=0.0))
-    g = torch.Generator().manual_seed(seed)
-    values = {}
-    with torch.no_grad():
-        for name, mod in pm.named_modules():
-            if hasattr(mod, "lora_B") and "default" in getattr(mod, "lora_B", {}):
-                mod.lora_B["default"].weight.copy_(0.1 * torch.randn(mod.lora_B["default"].weight.shape, generator=g))
-                values[name.removeprefix("base_model.model.")] = {
-                    "lora_A": mod.lora_A["default"].weight.numpy().copy(),
-                    "lora_B": mod.lora_B["default"].weight.numpy().copy()}
-    return pm, values
+    assert fc.rel_error(m(jnp.asarray(ids)), ref) < 1e-4
 
 
 def test_lora_gradients_match_peft_on_the_fused_projections(phi3):
     """`all-linear` on both sides: LoRA on qkv_proj, o_proj, gate_up_proj, down_proj; loss and each
     A and B gradient equal PEFT's."""
     _, params, cfg = phi3
-    pm, values = _peft_model("all-linear")
+    pm, values = fc.peft_model(fc.PHI3, "all-linear")
     assert {n.rsplit(".", 1)[-1] for n in values} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    ids = _ids()
-    x, y = torch.tensor(ids[:, :-1]), torch.tensor(ids[:, 1:])
-    logits = pm(x).logits
-    loss_t = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    loss_t.backward()
-    ref = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad.numpy()
-           for n, p in pm.named_parameters() if p.grad is not None}
+    ids = fc.ids()
+    loss_t, ref = fc.peft_loss_and_grads(pm, ids)
 
     m = models.from_params(params, cfg, compute_dtype=jnp.float32, rngs=nnx.Rngs(0),
                            lora=lora.LoraConfig(rank=4, alpha=8, target_modules="all-linear"))
     lora.set_lora_params(m, values)
-
-    def loss_fn(model):
-        lg = model(jnp.asarray(ids[:, :-1])).astype(jnp.float32)
-        lp = jax.nn.log_softmax(lg, -1)
-        return -jnp.take_along_axis(lp, jnp.asarray(ids[:, 1:])[..., None], -1).mean()
-
-    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
-    assert abs(float(loss) - float(loss_t)) < 1e-5
-    got = lora.lora_state_by_module(m, grads)
+    loss, got = fc.lora_loss_and_grads(m, ids)
+    assert abs(loss - loss_t) < 1e-5
     assert sorted(got) == sorted(values)
     for name, g_ in got.items():
         for k in ("lora_A", "lora_B"):
-            assert _rel(g_[k], ref[f"{name}.{k}.weight"]) < 1e-4, (name, k)
+            assert fc.rel_error(g_[k], ref[f"{name}.{k}.weight"]) < 1e-4, (name, k)
 
 
 def test_peft_adapter_round_trip_keeps_the_fused_names(phi3, tmp_path_factory, tmp_path):
@@ -159,7 +115,7 @@ def test_peft_adapter_round_trip_keeps_the_fused_names(phi3, tmp_path_factory, t
     from jqlora.merge import merge_adapter
 
     path = fc.cached(tmp_path_factory, "phi3", "nf4")
-    pm, values = _peft_model(["qkv_proj", "gate_up_proj"])
+    pm, values = fc.peft_model(fc.PHI3, ["qkv_proj", "gate_up_proj"])
     pm.save_pretrained(tmp_path / "peft")
     model, report, cfg = adapters.load_model_with_adapter(path, tmp_path / "peft")
     assert sorted(report["matched"]) == sorted(values) and "qkv_proj" in cfg.target_modules
@@ -168,12 +124,12 @@ def test_peft_adapter_round_trip_keeps_the_fused_names(phi3, tmp_path_factory, t
     keys = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_modules"]
     assert keys == ["gate_up_proj", "qkv_proj"]
     tm = PeftModel.from_pretrained(fc.load_with_transformers(path), out).train()  # bnb's exact path; no dropout
-    ids = _ids()
+    ids = fc.ids()
     with torch.no_grad():
         ref = tm(torch.tensor(ids)).logits.float().numpy()
     got = np.asarray(model(jnp.asarray(ids)))
     base = np.asarray(models.load_causal_lm(path, compute_dtype=jnp.float32)(jnp.asarray(ids)))
-    assert _rel(got, ref) < 1e-4 and _rel(base, ref) > 1e-3  # the adapter matters and matches
+    assert fc.rel_error(got, ref) < 1e-4 and fc.rel_error(base, ref) > 1e-3  # the adapter matters and matches
 
     res = crosscheck(path, adapter=out, tokens=T, batch=1)
     assert res.passed and len(res.layers) >= 4, res.format()
@@ -183,13 +139,13 @@ def test_peft_adapter_round_trip_keeps_the_fused_names(phi3, tmp_path_factory, t
     mt = fc.load_with_transformers(tmp_path / "merged").float()
     with torch.no_grad():
         got_m = mt(torch.tensor(ids)).logits.float().numpy()
-    assert _rel(got_m, ref) < 3e-2  # the merged weights are rounded to bf16
+    assert fc.rel_error(got_m, ref) < 3e-2  # the merged weights are rounded to bf16
 
     merge_adapter(path, out, tmp_path / "merged-nf4", format="nf4", force=True)  # fused weights re-quantized
-    q_ref, _ = _torch_forward(fc.load_with_transformers(tmp_path / "merged-nf4", train=True), ids)
+    q_ref, _ = fc.torch_forward(fc.load_with_transformers(tmp_path / "merged-nf4", train=True), ids)
     ours = models.load_causal_lm(tmp_path / "merged-nf4", compute_dtype=jnp.float32)(jnp.asarray(ids))
-    assert _rel(ours, q_ref) < 1e-4
-    assert _rel(q_ref, ref) < 0.2  # NF4 keeps the adapted model roughly
+    assert fc.rel_error(ours, q_ref) < 1e-4
+    assert fc.rel_error(q_ref, ref) < 0.2  # NF4 keeps the adapted model roughly
 
 
 def test_target_modules_name_the_fused_projections(phi3):
@@ -218,7 +174,7 @@ def test_generation_across_the_original_length_equals_transformers(phi3):
     recomputes the cache with the long factors there, and so does `generate`; tokens and each
     step's logits (ring-buffer caches: the window is 12) equal transformers'."""
     tm, params, cfg = phi3
-    prompt = _ids(1, 5, seed=3)
+    prompt = fc.ids(1, 5, seed=3)
     with torch.no_grad():
         r = tm.generate(torch.tensor(prompt), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                         output_logits=True, return_dict_in_generate=True)
@@ -226,4 +182,34 @@ def test_generation_across_the_original_length_equals_transformers(phi3):
     m = models.from_params(params, cfg, compute_dtype=jnp.float32)
     seq, logits = models.generate(m, jnp.asarray(prompt), max_new_tokens=12, return_logits=True)
     np.testing.assert_array_equal(np.asarray(seq)[0, 5:], r.sequences[0, 5:].numpy())
-    assert _rel(logits, ref) < 1e-5
+    assert fc.rel_error(logits, ref) < 1e-5
+
+
+def test_batched_rollouts_switch_each_row_to_the_long_factors_as_transformers():
+    """`generate_batch` of a 3- and a 6-token prompt, 12 new tokens each: the rows pass
+    original_max_position_embeddings (8) at different steps, in different decode calls (chunks of
+    3 steps, a stop id that never comes). Each row's greedy tokens and log-probabilities equal
+    transformers' greedy `generate` of that prompt alone, which recomputes the cache with the long
+    factors when the sequence passes 8 (the window, 12, keeps ring-buffer caches in play). The
+    final norm is scaled up so the logits spread: a key left with the short factors, or a row
+    switched by another row's length, moves the log-probabilities by about 2e-3."""
+    tm = fc.text_model(fc.PHI3, seed=1)
+    with torch.no_grad():
+        tm.model.norm.weight.mul_(30.0)
+    params = fc.jax_params(tm)
+    prompts, n = [fc.ids(1, 3, seed=4)[0], fc.ids(1, 6, seed=5)[0]], 12
+    ref_tokens, ref_lps = [], []
+    for p in prompts:
+        with torch.no_grad():
+            r = tm.generate(torch.tensor(p[None]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True)
+        toks = r.sequences[0, len(p):].numpy()
+        lps = torch.stack(r.logits, 1)[0].double().log_softmax(-1).numpy()
+        ref_tokens.append(toks)
+        ref_lps.append(lps[np.arange(n), toks])
+    stop = next(t for t in range(fc.TINY["vocab_size"]) if not any(t in toks for toks in ref_tokens))
+    m = models.from_params(params, tm.config.to_dict(), compute_dtype=jnp.float32)
+    out = models.generate_batch(m, prompts, n, key=None, temperature=0.0, stop_token_ids=[stop],
+                                return_logprobs=True, decode_chunk=3)
+    np.testing.assert_array_equal(out.tokens, np.stack(ref_tokens))
+    np.testing.assert_allclose(out.logprobs, np.stack(ref_lps), rtol=0, atol=1e-4)

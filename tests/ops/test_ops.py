@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 
 from jqlora import ops, quant
 from jqlora.ops import BackendError
-from pallas_kernels.reference import denest_absmax_reference
+from pallas_kernels.reference.fourbit import denest_absmax_reference
 
 
 def _weights(n=48, k=128, seed=0):

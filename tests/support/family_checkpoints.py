@@ -1,5 +1,7 @@
 """Tiny random checkpoints of the other model families (Gemma 2, Gemma 3 text, Gemma 3 multimodal, Phi-3),
-made with transformers (+ bitsandbytes) on CPU, as `checkpoint_factory` makes Llama ones.
+made with transformers (+ bitsandbytes) on CPU, as `checkpoint_factory` makes Llama ones, and the
+comparisons those families' tests share: token ids, relative error, transformers' forward pass,
+PEFT's LoRA and its gradients beside jqlora's.
 
 Not a test module: tests import it by name (tests/conftest.py puts tests/support on sys.path).
 Weights are random, drawn so that every part matters: norms N(0, 0.1) around Gemma's (1 + w),
@@ -10,6 +12,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
 # in_features stay multiples of 64: bitsandbytes 0.50.2 dequantizes blocks that span rows wrongly on CPU
@@ -119,3 +123,80 @@ def load_with_transformers(directory, train: bool = False):
     _quiet()
     m = AutoModelForCausalLM.from_pretrained(str(directory), device_map="cpu", attn_implementation="eager")
     return m.train() if train else m.eval()
+
+
+# ------------------------------------------------------------------------------------------
+# comparisons against transformers and PEFT
+# ------------------------------------------------------------------------------------------
+def ids(b: int = 2, t: int = 20, seed: int = 0) -> np.ndarray:
+    """(b, t) random token ids of TINY's vocabulary; t = 20 is past every tiny config's window and
+    Phi-3's original length (8)."""
+    return np.random.default_rng(seed).integers(0, TINY["vocab_size"], (b, t))
+
+
+def rel_error(got, ref) -> float:
+    """max |got - ref| / max |ref|, in float64."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def torch_forward(model, token_ids):
+    """transformers' logits and every hidden state (float32 numpy) for `token_ids`."""
+    with torch.no_grad():
+        out = model(torch.tensor(token_ids), output_hidden_states=True)
+    return out.logits.float().numpy(), [h.float().numpy() for h in out.hidden_states]
+
+
+def jax_params(model) -> dict:
+    """A transformers model's state dict as JAX arrays, as `jqlora.models.from_params` takes it."""
+    import jax.numpy as jnp
+
+    return {k: jnp.asarray(v.numpy()) for k, v in model.state_dict().items()}
+
+
+def peft_model(config: dict, targets, seed: int = 1):
+    """PEFT LoRA (r=4, alpha=8) on a fresh `text_model(config)` with random (nonzero) B;
+    -> (peft model, {module: {"lora_A", "lora_B"}})."""
+    peft = pytest.importorskip("peft")
+    pm = peft.get_peft_model(text_model(config), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                                 lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    values = {}
+    with torch.no_grad():
+        for name, mod in pm.named_modules():
+            if hasattr(mod, "lora_B") and "default" in getattr(mod, "lora_B", {}):
+                mod.lora_B["default"].weight.copy_(0.1 * torch.randn(mod.lora_B["default"].weight.shape, generator=g))
+                values[name.removeprefix("base_model.model.")] = {
+                    "lora_A": mod.lora_A["default"].weight.numpy().copy(),
+                    "lora_B": mod.lora_B["default"].weight.numpy().copy()}
+    return pm, values
+
+
+def peft_loss_and_grads(pm, token_ids):
+    """PEFT's next-token cross-entropy on `token_ids` and its gradients, by transformers' names
+    without the PEFT prefix ("model.layers.0.self_attn.q_proj.lora_A.weight")."""
+    x, y = torch.tensor(token_ids[:, :-1]), torch.tensor(token_ids[:, 1:])
+    logits = pm(x).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    grads = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad.numpy()
+             for n, p in pm.named_parameters() if p.grad is not None}
+    return float(loss), grads
+
+
+def lora_loss_and_grads(model, token_ids):
+    """The same loss for a jqlora model with LoRA, and its LoRA gradients per module
+    ({module: {"lora_A", "lora_B"}})."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jqlora import lora
+
+    def loss_fn(m):
+        lg = m(jnp.asarray(token_ids[:, :-1])).astype(jnp.float32)
+        lp = jax.nn.log_softmax(lg, -1)
+        return -jnp.take_along_axis(lp, jnp.asarray(token_ids[:, 1:])[..., None], -1).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+    return float(loss), lora.lora_state_by_module(model, grads)

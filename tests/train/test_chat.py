@@ -250,3 +250,22 @@ def test_smollm2_chat_template_and_demo_data(smollm2_dir):
     for row, (c, cap) in zip(rows[::3], TRAIN_CAPITALS[:3]):
         ids, trained = TK.tokenize_example(ours, E.parse_example(row), sp)
         assert ours.decode([int(i) for i in ids[trained]], skip_special_tokens=False) == answer(c, cap) + "<|im_end|>\n"
+
+
+def test_end_of_turn_is_the_special_token_after_the_assistant_text(folders):
+    for name, want in (("chatml", "<|im_end|>"), ("chatml_jinja", "<|im_end|>"), ("llama3", "<|eot_id|>")):
+        tok = load_hf_tokenizer(folders[name])
+        assert tok.end_of_turn_ids() == (tok.tokenizer.token_to_id(want),), name
+    assert load_hf_tokenizer(folders["none"]).end_of_turn_ids() == ()
+
+
+from real_models import gemma3  # noqa: E402,F401  (the fixture)
+
+
+def test_end_of_turn_of_the_gemma_fixture_is_end_of_turn(gemma3):  # noqa: F811
+    """The Gemma 3 270M folder's generation_config.json names only <eos> (1), as the base model's
+    does; chat turns end at <end_of_turn> (106), where `generate --chat` and the demo stop."""
+    folder = gemma3.nf4
+    tok = load_hf_tokenizer(folder)
+    assert generation_eos_ids(folder) == (1,)
+    assert [tok.tokenizer.id_to_token(i) for i in tok.end_of_turn_ids()] == ["<end_of_turn>"]
