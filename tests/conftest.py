@@ -8,10 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # Two host devices so sharding tests have a real mesh on a CPU machine. Must precede jax import.
-# The tests compile hundreds of small programs and run each a few times: LLVM's optimisation passes
-# cost more there than they save (about a quarter of the suite's CPU time); numerics are unchanged
-# (no fast-math either way).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JQLORA_COMPILE_CACHE", "0")  # in-process CLI tests never write the per-user cache
