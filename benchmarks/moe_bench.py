@@ -13,9 +13,20 @@ on attention and experts, one row of 2048 tokens, per-layer remat / gradient che
     python -m benchmarks.moe_bench --out benchmarks/results/latest          # both sides, one process each
     python -m benchmarks.moe_bench --side jax --layers 8 --steps 3           # one side, printed
     python -m benchmarks.moe_bench --tiny                                    # CPU smoke run
+    python -m benchmarks.moe_bench --side jax --mesh fsdp=2                  # jqlora on 2 GPUs
+    python -m benchmarks.moe_bench --target-modules q_proj,k_proj,v_proj,o_proj   # LoRA on attention only
 
 Each side runs in its own process when both are asked for (peak memory is process-wide) and
 reports the median step time, tokens/s and peak device memory.
+
+`--mesh` (jqlora.parallel's syntax, e.g. fsdp=2, data=2) runs the jqlora side on that many
+devices as `jqlora train --mesh` runs them: the model built on the first device, then placed
+(expert stacks and their LoRA cut over fsdp, `jqlora.parallel.place_state`), one row of `--seq`
+tokens per device, the library's train step (`jqlora.train.step.train_step`) under the mesh;
+`resident_gib_per_device` is what each device holds after the steps (its peak includes the build
+on the first device). The transformers side stays on one GPU. `--target-modules` names the LoRA
+targets: all-linear (attention and experts) or a list of q_proj, k_proj, v_proj, o_proj,
+gate_up_proj, down_proj.
 """
 from __future__ import annotations
 
@@ -38,6 +49,25 @@ TINY = dict(QWEN3_30B_A3B, hidden_size=64, intermediate_size=128, moe_intermedia
 RANK, ALPHA = 16, 32
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+TARGETS = ATTENTION + ["gate_up_proj", "down_proj"]
+
+
+def parse_targets(spec: str) -> list[str] | str:
+    """``--target-modules``: "all-linear" or a comma-separated subset of TARGETS (ValueError otherwise)."""
+    if spec.strip() == "all-linear":
+        return "all-linear"
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in TARGETS]
+    if bad or not names:
+        raise ValueError(f"--target-modules {spec!r}: expected all-linear or names among {', '.join(TARGETS)}")
+    return names
+
+
+def torch_targets(targets) -> tuple[list[str], list[str]]:
+    """PEFT's (target_modules, target_parameters) for jqlora's target names."""
+    if targets == "all-linear":
+        return list(ATTENTION), list(EXPERT_PARAMS)
+    return [n for n in ATTENTION if n in targets], [p for p in EXPERT_PARAMS if p.rsplit(".", 1)[1] in targets]
 
 
 def config(tiny: bool, layers: int | None) -> dict:
@@ -96,7 +126,8 @@ def _peak_gib() -> float:
     return stats.get("peak_bytes_in_use", 0) / 2**30
 
 
-def run_jax(c: dict, seq: int, steps: int, tiny: bool) -> dict:
+def run_jax(c: dict, seq: int, steps: int, tiny: bool, *, mesh_spec: str | None = None,
+            targets="all-linear") -> dict:
     import jax
     import jax.numpy as jnp
     import optax
@@ -107,8 +138,13 @@ def run_jax(c: dict, seq: int, steps: int, tiny: bool) -> dict:
     t0 = time.perf_counter()
     dtype = jnp.float32 if tiny else jnp.bfloat16
     model = models.from_params(_params_jax(c), c, compute_dtype=dtype, remat=not tiny, donate_params=True,
-                               lora=lora.LoraConfig(rank=RANK, alpha=ALPHA, target_modules="all-linear"))
+                               lora=lora.LoraConfig(rank=RANK, alpha=ALPHA, target_modules=targets))
     build_s = time.perf_counter() - t0
+    lora_params = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))))
+    common = {"side": "jqlora", "build_s": build_s, "experts": "nf4", "target_modules": targets,
+              "lora_params": lora_params, "device": jax.devices()[0].device_kind}
+    if mesh_spec:
+        return {**common, **_steps_on_mesh(model, c, seq, steps, mesh_spec)}
     graphdef, lstate, rest = nnx.split(model, nnx.LoRAParam, ...)
     opt = optax.adamw(1e-4)
     opt_state = opt.init(lstate)
@@ -136,9 +172,49 @@ def run_jax(c: dict, seq: int, steps: int, tiny: bool) -> dict:
         times.append(time.perf_counter() - t)
     times.sort()
     step_s = times[len(times) // 2]
-    return {"side": "jqlora", "step_s": step_s, "tokens_per_s": seq / step_s, "peak_gib": _peak_gib(),
-            "loss": float(loss), "build_s": build_s, "first_step_s": compile_s, "experts": "nf4",
-            "device": jax.devices()[0].device_kind}
+    return {**common, "mesh": None, "devices": 1, "step_s": step_s, "tokens_per_s": seq / step_s,
+            "peak_gib": _peak_gib(), "loss": float(loss), "first_step_s": compile_s}
+
+
+def _steps_on_mesh(model, c: dict, seq: int, steps: int, mesh_spec: str) -> dict:
+    """The jqlora step on a device mesh, as `jqlora train --mesh` runs it (module docstring)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jqlora import parallel
+    from jqlora.ops import sharding
+    from jqlora.train.optim import make_optimizer
+    from jqlora.train.step import train_step
+
+    mesh = parallel.resolve_mesh(mesh_spec)
+    devices = 1 if mesh is None else int(mesh.size)
+    opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000), wrt=nnx.LoRAParam)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, c["vocab_size"], (1, devices, seq + 1)).astype(np.int32)
+    batch = {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, devices, seq), np.float32),
+             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (1, devices, seq)).copy()}
+    run = train_step.bind(model, opt)
+    if mesh is not None:
+        parallel.place_state(model, opt, mesh)
+        run = sharding.with_mesh(mesh, train_step.bind(model, opt))
+        batch = parallel.shard_batch(batch, mesh)
+    t0 = time.perf_counter()
+    loss = float(run(batch)["loss"])
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        loss = float(run(batch)["loss"])
+        times.append(time.perf_counter() - t)
+    step_s = float(np.median(times))
+    local = mesh.local_devices if mesh is not None else jax.devices()[:1]
+    stat = lambda d, k: (d.memory_stats() or {}).get(k, 0) / 2**30  # noqa: E731
+    return {"mesh": mesh_spec, "devices": devices, "rows": devices, "step_s": step_s,
+            "tokens_per_s": devices * seq / step_s, "loss": loss, "first_step_s": first,
+            "peak_gib": max(stat(d, "peak_bytes_in_use") for d in local),
+            "peak_gib_per_device": [stat(d, "peak_bytes_in_use") for d in local],
+            "resident_gib_per_device": [stat(d, "bytes_in_use") for d in local]}
 
 
 def _torch_model(c: dict, cuda: bool):
@@ -167,15 +243,16 @@ def _torch_model(c: dict, cuda: bool):
     return model
 
 
-def run_torch(c: dict, seq: int, steps: int, tiny: bool) -> dict:
+def run_torch(c: dict, seq: int, steps: int, tiny: bool, *, targets="all-linear") -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
     cuda = torch.cuda.is_available() and not tiny
+    modules, parameters = torch_targets(targets)
     try:
         model = _torch_model(c, cuda)
-        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTENTION,
-                                                 target_parameters=EXPERT_PARAMS, lora_dropout=0.0))
+        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=modules or None,
+                                                 target_parameters=parameters or None, lora_dropout=0.0))
         if not tiny:
             model.gradient_checkpointing_enable()
         model.train()
@@ -208,7 +285,7 @@ def run_torch(c: dict, seq: int, steps: int, tiny: bool) -> dict:
     step_s = times[len(times) // 2]
     return {"side": "torch qlora+peft", "oom": False, "step_s": step_s, "tokens_per_s": seq / step_s,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "loss": loss,
-            "first_step_s": first, "experts": "bf16",
+            "first_step_s": first, "experts": "bf16", "target_modules": targets, "mesh": None, "devices": 1,
             "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
@@ -223,7 +300,8 @@ def _commit() -> str:
 def _side_in_subprocess(side: str, a) -> dict:
     argv = [sys.executable, "-m", "benchmarks.moe_bench", "--side", side, "--seq", str(a.seq),
             "--steps", str(a.steps)] + (["--layers", str(a.layers)] if a.layers is not None else []) \
-        + (["--tiny"] if a.tiny else [])
+        + (["--tiny"] if a.tiny else []) + ["--target-modules", a.target_modules] \
+        + (["--mesh", a.mesh] if a.mesh and side == "jax" else [])
     r = subprocess.run(argv, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))))
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -242,17 +320,33 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps after the first")
     p.add_argument("--out", default=None, help="folder for the JSON result (none: print only)")
     p.add_argument("--tag", default="")
+    p.add_argument("--mesh", default=None,
+                   help="jax side: a device mesh, e.g. fsdp=2 or data=2 (jqlora.parallel); one row of --seq "
+                        "tokens per device; the transformers side stays on one GPU")
+    p.add_argument("--target-modules", default="all-linear",
+                   help=f"LoRA targets: all-linear (attention and experts) or a comma-separated list of "
+                        f"{', '.join(TARGETS)}")
     a = p.parse_args(argv)
+    try:
+        targets = parse_targets(a.target_modules)
+        if a.mesh:
+            from jqlora.parallel import parse_mesh_spec
+
+            parse_mesh_spec(a.mesh)
+    except ValueError as e:
+        p.error(str(e))
     a.seq = a.seq or (32 if a.tiny else 2048)
     c = config(a.tiny, a.layers)
     if a.side != "both":
-        res = (run_jax if a.side == "jax" else run_torch)(c, a.seq, a.steps, a.tiny)
+        res = (run_jax(c, a.seq, a.steps, a.tiny, mesh_spec=a.mesh, targets=targets) if a.side == "jax"
+               else run_torch(c, a.seq, a.steps, a.tiny, targets=targets))
         print(json.dumps(res), flush=True)
         return 0
     from benchmarks.run import device_name, versions
 
     rows = [_side_in_subprocess(s, a) for s in ("jax", "torch")]
     res = dict(rows=rows, config=c, seq=a.seq, steps=a.steps, tiny=a.tiny, active_params=active_params(c),
+               mesh=a.mesh, target_modules=targets,
                device=device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
                versions=versions(), argv=list(argv if argv is not None else sys.argv[1:]))
     print(json.dumps(res, indent=1))

@@ -106,13 +106,14 @@ def _random_nf4(key, shape, mesh, makers: dict):
 
 def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", layers: int | None = None,
               mesh=None, remat="nothing_saveable", lora: bool = True, weights: str = "nf4",
-              compute_dtype: str = "bfloat16"):
+              compute_dtype: str = "bfloat16", base_matmul: str = "compute"):
     """The jqlora side's model, optimizer and one batch (random weights, quantized on device);
     `layers` overrides the shape's layer count; lora=False builds the bare quantized model (what
     `jqlora generate` runs without an adapter). With a `mesh` (jqlora.parallel) every weight is
     made on its shards as random NF4 bytes and scales, and the batch has one row per device.
     weights="bf16": the decoder's linear weights stay dense bf16 (no quantization), everything
-    else as with "nf4". compute_dtype: the model's (float32 is what the CLI runs on a CPU)."""
+    else as with "nf4". compute_dtype: the model's (float32 is what the CLI runs on a CPU).
+    base_matmul: "compute" or "fp8", the NF4 weights' products (`from_params(base_matmul=)`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -158,7 +159,7 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
     _note(f"{len(params)} weights made", t_build)
     model = from_params(params, c, lora=LoraConfig(rank=16, alpha=32, target_modules=TARGETS) if lora else None,
                         compute_dtype=jnp.dtype(compute_dtype), remat=remat, backend=backend, attention=attention,
-                        donate_params=True)  # stacking the layers deletes the per-layer arrays as it goes
+                        donate_params=True, base_matmul=base_matmul)  # stacking the layers deletes the per-layer arrays as it goes
     del params
     _note("model built (layers stacked)", t_build)
     if not lora:
@@ -229,7 +230,7 @@ def compile_only(shape: str, seqs: list[int], backend: str, attention: str, rema
 def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "einsum",
             loss_chunk: int | None = None, dispatch: str = "bound", packed: bool = False,
             docs: int = 1, segment_tables: bool = True, mesh_spec: str | None = None,
-            remat="nothing_saveable", weights: str = "nf4") -> dict:
+            remat="nothing_saveable", weights: str = "nf4", base_matmul: str = "compute") -> dict:
     import functools
 
     import jax
@@ -245,7 +246,8 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     from jqlora.ops import sharding
 
     mesh = parallel.resolve_mesh(mesh_spec) if mesh_spec else None
-    model, opt, batch = build_jax(shape, seq, backend, attention, mesh=mesh, remat=remat, weights=weights)
+    model, opt, batch = build_jax(shape, seq, backend, attention, mesh=mesh, remat=remat, weights=weights,
+                                  base_matmul=base_matmul)
     formats = frozen_formats(model)
     rows = batch["input_ids"].shape[1]  # tokens per step: rows x seq
     if not packed:  # one sequence per row, as train(packing=False) feeds it (and as torch runs)
@@ -464,6 +466,9 @@ def main(argv=None):
     p.add_argument("--weights", default="nf4", choices=WEIGHTS,
                    help="jax side: the frozen base as random NF4 (QLoRA) or dense bf16 (bf16-weight LoRA, "
                         "the ceiling NF4 is measured against); the LoRA is the same")
+    p.add_argument("--base-matmul", default="compute", choices=["compute", "fp8"],
+                   help="jax side: the NF4 weights' products in the compute dtype, or on FP8 (E4M3) "
+                        "operands scaled per row (docs/numerics.md); recorded as base_matmul")
     p.add_argument("--compile-only", default=None, metavar="SEQS",
                    help="jax side, one device: compile the step at each of these sequence lengths "
                         "(e.g. 131072,262144) and print XLA's memory analysis; nothing runs")
@@ -482,8 +487,10 @@ def main(argv=None):
     if a.side == "jax":
         remat = False if a.remat == "none" else a.remat
         res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch, a.packed,
-                      a.docs, not a.no_segment_tables, a.mesh, remat=remat, weights=a.weights)
+                      a.docs, not a.no_segment_tables, a.mesh, remat=remat, weights=a.weights,
+                      base_matmul=a.base_matmul)
         res["remat"] = a.remat
+        res["base_matmul"] = a.base_matmul
     else:
         res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch")
         res["weights"] = "nf4" if a.side == "torch" else "bf16"

@@ -17,6 +17,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 # named here, with nothing imported, for the flags and settings checks the CLI makes before jax loads
 BACKENDS = ("auto", "pallas", "interpret", "xla")
 QUANTIZE_FORMATS = ("nf4", "fp4", "int8")
+# the frozen 4-bit base products (`load_causal_lm(base_matmul=)`, TrainConfig.base_matmul): in the
+# compute dtype, or on FP8 operands scaled per row (jqlora.ops.fp8)
+BASE_MATMULS = ("compute", "fp8")
 
 
 def quiet_third_party() -> None:

@@ -14,9 +14,16 @@ One mesh with two axes, ``data`` and ``fsdp`` (either may be 1):
   ``nested_absmax`` (one float per 256 blocks) is cut the same way only when each piece holds whole
   groups of 256 blocks, else replicated (it is ``nblocks / 256`` floats). The code tables and the
   offset are replicated. Leading axes (a stacked layer axis) are never cut.
-- **LoRA params, optimizer state, RNG state** are replicated: they are a few MB for a rank-16
+- **Mixture-of-experts stacks** (`ExpertWeights`: every array with an expert axis, after any
+  stacked layer axis) are cut into ``fsdp`` pieces of whole experts along that axis when the
+  expert count splits, as are the experts' stacked LoRA factors (A (..., E, r, in), B (..., E,
+  out, r)) and their optimizer state: at a Qwen3-30B-A3B shape they are most of a run's memory
+  (16 GB of NF4 experts, 13 GB of float32 LoRA state under AdamW). Across processes the expert
+  LoRA stays replicated, as all LoRA does (below).
+- **Other LoRA params, optimizer state, RNG state** are replicated: they are a few MB for a rank-16
   adapter, so sharding them saves little and would add a gather per layer to the update.
-  Checkpoints and PEFT exports then read them like single-device arrays, giving the same files.
+  Checkpoints and PEFT exports then read them like single-device arrays, giving the same files
+  (within one process, cut arrays read whole as well).
 
 Inside the step, each product ``qmatmul`` runs under ``jax.shard_map`` when a mesh is active
 (:mod:`jqlora.ops.sharding`): rows of x split like the batch, the weight and LoRA matrices gathered whole
@@ -47,7 +54,7 @@ from jqlora.ops.sharding import AXES, ROWS
 log = logging.getLogger(__name__)
 
 __all__ = ["AXES", "parse_mesh_spec", "make_mesh", "resolve_mesh", "row_count", "check_batch_size",
-           "shard_batch", "placement", "place_model", "place_state", "weight_layout"]
+           "shard_batch", "placement", "place_model", "place_state", "weight_layout", "expert_axis"]
 # Arrays of at most this many elements are replicated by the loader's shape rule (code tables,
 # the 256-entry dynamic map, scalars): cutting them saves nothing.
 _SMALL = 256
@@ -252,12 +259,55 @@ def weight_layout(w, fsdp: int) -> WeightLayout:
     return WeightLayout(packed, absmax, nested)
 
 
+def expert_axis(experts) -> int:
+    """The expert axis of every array of an `ExpertWeights`' stack: 0, or 1 under a stacked layer
+    axis (read from a leaf whose per-expert rank is fixed: a 4-bit code table, int8 codes, a dense
+    (N, K) weight)."""
+    from jqlora.quant import Int8Weight, Weight4bit  # noqa: PLC0415
+
+    s = experts.stack
+    if isinstance(s, Weight4bit):
+        return s.code.ndim - 2
+    if isinstance(s, Int8Weight):
+        return s.cb.ndim - 3
+    return s.ndim - 3
+
+
+def _place_experts(value, mesh: Mesh):
+    """An `ExpertWeights` onto the mesh: whole experts per ``fsdp`` piece, when E splits."""
+    f = int(mesh.shape["fsdp"])
+    ax = expert_axis(value) if f > 1 and value.num_experts % f == 0 else None
+    return dataclasses.replace(value, stack=jax.tree.map(lambda x: _put(x, _cut(mesh, x.ndim, ax)), value.stack))
+
+
+def _expert_lora_paths(model) -> set:
+    """The state paths of the stacked expert LoRA factors (`QLoRAExperts.lora_A` / `lora_B`)."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jqlora.lora.experts import QLoRAExperts  # noqa: PLC0415
+
+    return {tuple(path) + (name,) for path, node in nnx.iter_graph(model)
+            if isinstance(node, QLoRAExperts) and node.has_lora for name in ("lora_A", "lora_B")}
+
+
+def _expert_lora_sharding(value, mesh: Mesh) -> NamedSharding:
+    """A stacked expert LoRA factor (..., E, a, b) (or its optimizer state): cut over ``fsdp``
+    along E when E splits and every device is this process's, else replicated."""
+    f = int(mesh.shape["fsdp"])
+    ax = value.ndim - 3
+    cut = f > 1 and value.shape[ax] % f == 0 and NamedSharding(mesh, P()).is_fully_addressable
+    return _cut(mesh, value.ndim, ax if cut else None)
+
+
 def _place_base(value, mesh: Mesh):
-    """A linear layer's frozen base (Weight4bit, Int8Weight or dense (..., N, K)) onto the mesh."""
-    from jqlora.quant import Int8Weight, Weight4bit  # noqa: PLC0415 (parallel stays import-light)
+    """A linear layer's frozen base (Weight4bit, Int8Weight, dense (..., N, K) or a mixture's
+    ExpertWeights) onto the mesh."""
+    from jqlora.quant import ExpertWeights, Int8Weight, Weight4bit  # noqa: PLC0415 (parallel stays import-light)
 
     f = int(mesh.shape["fsdp"])
     rep = NamedSharding(mesh, P())
+    if isinstance(value, ExpertWeights):
+        return _place_experts(value, mesh)
     if isinstance(value, Weight4bit):
         lay = weight_layout(value, f)
         put = lambda leaf, ax: None if leaf is None else _put(leaf, _cut(mesh, leaf.ndim, ax))  # noqa: E731
@@ -280,8 +330,9 @@ def place_model(model, mesh: Mesh | None):
     """Move every array of an NNX model onto ``mesh`` (in place; returns the model).
 
     Linear bases (`QuantizedBase`) and the token embedding (`embed_tokens`) are cut over ``fsdp``
-    along their output (vocabulary) axis (module docstring); everything else (norms, biases, LoRA
-    params, RNG state) is replicated. ``mesh=None`` leaves the model as it is.
+    along their output (vocabulary) axis, expert stacks and their LoRA factors along the expert
+    axis (module docstring); everything else (norms, biases, other LoRA params, RNG state) is
+    replicated. ``mesh=None`` leaves the model as it is.
     """
     if mesh is None:
         return model
@@ -291,6 +342,7 @@ def place_model(model, mesh: Mesh | None):
 
     f = int(mesh.shape["fsdp"])
     rep = NamedSharding(mesh, P())
+    expert_lora = _expert_lora_paths(model)
     updates = []
     for path, var in nnx.to_flat_state(nnx.state(model)):
         if not isinstance(var, nnx.Variable):
@@ -298,6 +350,8 @@ def place_model(model, mesh: Mesh | None):
         value = var.get_value()
         if isinstance(var, QuantizedBase):
             new = _place_base(value, mesh)
+        elif tuple(path) in expert_lora:
+            new = _put(value, _expert_lora_sharding(value, mesh))
         elif ("embed_tokens" in [str(p) for p in path] and getattr(value, "ndim", 0) == 2
               and f > 1 and value.shape[0] % f == 0):
             new = _put(value, _cut(mesh, 2, 0))
@@ -310,14 +364,22 @@ def place_model(model, mesh: Mesh | None):
 
 
 def place_state(model, optimizer, mesh: Mesh | None) -> None:
-    """:func:`place_model` for the model, and the optimizer's state replicated on ``mesh``."""
+    """:func:`place_model` for the model, and the optimizer's state on ``mesh``: the moments of
+    the expert LoRA factors placed as those factors are, the rest replicated."""
     if mesh is None:
         return
     from flax import nnx  # noqa: PLC0415
 
     place_model(model, mesh)
     rep = NamedSharding(mesh, P())
-    updates = [(path, var.replace(jax.tree.map(lambda x: _put(x, rep), var.get_value())))
+    expert_lora = _expert_lora_paths(model)
+
+    def sharding(path, x):  # an optimizer state path ends with the path of its parameter
+        path = tuple(path)
+        of_expert = any(path[i:] in expert_lora for i in range(len(path)))
+        return _expert_lora_sharding(x, mesh) if of_expert and getattr(x, "ndim", 0) >= 3 else rep
+
+    updates = [(path, var.replace(jax.tree.map(lambda x, p=path: _put(x, sharding(p, x)), var.get_value())))
                for path, var in nnx.to_flat_state(nnx.state(optimizer)) if isinstance(var, nnx.Variable)]
     nnx.update(optimizer, nnx.from_flat_state(updates))
 

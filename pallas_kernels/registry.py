@@ -48,6 +48,12 @@ OPS = ("matmul_4bit", "matmul_4bit_t", "dequantize_4bit", "matmul_int8", "matmul
 #                               code (16,) f32, *, blocksize, out_dtype, interpret) -> (M,N)
 #   "grouped_matmul_4bit_t": the same operands with dy (M,N) -> (M,K)
 GROUPED_OPS = ("grouped_matmul", "grouped_matmul_t", "grouped_matmul_4bit", "grouped_matmul_4bit_t")
+# FP8 dequantization for the optional FP8 base products (jqlora.ops.fp8); listed by
+# `fp8_variants()`, not `all_variants()`: they are no product of the dispatch table:
+#   "dequantize_4bit_fp8":   fn(packed, absmax, code, inv_scale (N,) f32, *, blocksize, interpret)
+#                            -> (N,K) float8_e4m3fn, W[n,k] * inv_scale[n] clipped to +-448
+#   "dequantize_4bit_fp8_t": the same operands -> its transpose (K,N)
+FP8_OPS = ("dequantize_4bit_fp8", "dequantize_4bit_fp8_t")
 # What a variant computes, by the weight it effectively multiplies (docs/numerics.md); products
 # are accumulated in fp32 and the output rounded once to out_dtype in every class:
 NUMERICS = (
@@ -57,6 +63,7 @@ NUMERICS = (
     "rounded_codes_twice",  # round(round(code) * absmax): rounded codes, the scaled weight rounded
     "int8_weight_only",     # x @ (CB * SCB/127).T in x's dtype: bitsandbytes' weight-only int8
     "llm_int8",             # bitsandbytes LLM.int8(): int8 x int8 GEMM + fp16 outlier columns
+    "fp8_row_scaled",       # e4m3(code * absmax * inv_scale[row]): the FP8 base products' weight
 )
 # default: a variant `auto` runs (jqlora.ops.dispatch); alternative: useful numerics or speed,
 # selected by `variant=`; experimental: kept for research, slower in every measured cell.
@@ -84,8 +91,9 @@ class Variant:
     default_config: Callable[[int, int, int, int], object] | None = None
 
     def __post_init__(self):
-        if self.op not in OPS + GROUPED_OPS:
-            raise ValueError(f"variant {self.name!r}: unknown op {self.op!r}; expected one of {OPS + GROUPED_OPS}")
+        if self.op not in OPS + GROUPED_OPS + FP8_OPS:
+            raise ValueError(f"variant {self.name!r}: unknown op {self.op!r}; "
+                             f"expected one of {OPS + GROUPED_OPS + FP8_OPS}")
         if self.platform not in PLATFORMS:
             raise ValueError(f"variant {self.name!r}: unknown platform {self.platform!r}; "
                              f"expected one of {PLATFORMS}")
@@ -128,6 +136,9 @@ _GROUPED_MODULES = (
     "pallas_kernels.mosaic.grouped_mgpu",
     "pallas_kernels.triton.grouped_dot",
 )
+# The FP8 dequant kernels, ops FP8_OPS; tests/kernels/test_dequant_fp8.py runs each against its
+# reference.
+_FP8_MODULES = ("pallas_kernels.triton.dequant_fp8",)
 
 
 def _by_module(modules=_MODULES) -> tuple[tuple[str, tuple[Variant, ...]], ...]:
@@ -147,6 +158,16 @@ def grouped_variants() -> tuple[Variant, ...]:
     return out
 
 
+def fp8_variants() -> tuple[Variant, ...]:
+    """Every registered FP8 dequant variant (ops FP8_OPS), in a stable order."""
+    out = tuple(v for _, variants in _by_module(_FP8_MODULES) for v in variants)
+    names = [v.name for v in out] + [v.name for v in all_variants() + grouped_variants()]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"duplicate kernel variant names: {sorted(dup)}")
+    return out
+
+
 def all_variants() -> tuple[Variant, ...]:
     """Every registered variant, in a stable order (imports the kernel modules on first use)."""
     out = [v for _, variants in _by_module() for v in variants]
@@ -160,7 +181,7 @@ def all_variants() -> tuple[Variant, ...]:
 def module_of(name: str) -> str:
     """The module that declares variant `name` (e.g. "pallas_kernels.triton.matmul_4bit");
     KeyError naming the known variants otherwise."""
-    for mod, variants in _by_module(_MODULES + _GROUPED_MODULES):
+    for mod, variants in _by_module(_MODULES + _GROUPED_MODULES + _FP8_MODULES):
         if any(v.name == name for v in variants):
             return mod
     get(name)  # raises the KeyError
@@ -195,9 +216,9 @@ def defaults() -> tuple[Variant, ...]:
 
 
 def get(name: str) -> Variant:
-    """The variant called `name` (grouped variants included); KeyError naming the known
+    """The variant called `name` (grouped and FP8 variants included); KeyError naming the known
     variants otherwise."""
-    known = all_variants() + grouped_variants()
+    known = all_variants() + grouped_variants() + fp8_variants()
     for v in known:
         if v.name == name:
             return v

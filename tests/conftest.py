@@ -8,7 +8,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # Two host devices so sharding tests have a real mesh on a CPU machine. Must precede jax import.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+# The tests compile hundreds of small programs and run each a few times: LLVM's optimisation passes
+# cost more there than they save (a third of the time of the training tests); numerics are
+# unchanged (no fast-math either way).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JQLORA_COMPILE_CACHE", "0")  # in-process CLI tests never write the per-user cache
@@ -61,3 +64,35 @@ def lower_for_triton(monkeypatch):
                 raise AssertionError(f"{label}: Triton lowering failed: {e}") from e
 
     return lower
+
+
+# ---- mappings of compiled code --------------------------------------------------------------
+# XLA's CPU backend maps each compiled kernel's code, constants and data into pages of their own
+# (about three mappings a kernel) and keeps them while a jit cache holds the executable. A test
+# worker compiles for the whole suite and passes Linux's limit on mappings a process
+# (vm.max_map_count, 65,530 by default): LLVM then fails with "Cannot allocate memory" and the
+# worker crashes with a segfault in whichever test compiles next. Past a share of the limit, the
+# caches are cleared between tests: the executables and their mappings go with them.
+_MAPS_CLEAR_SHARE = 0.4
+
+
+def _mapping_limit() -> int | None:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None  # not Linux
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    limit = _mapping_limit()
+    if limit is not None and _mappings() > _MAPS_CLEAR_SHARE * limit:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()

@@ -39,7 +39,9 @@ logits error (vs torch float32) is at most --bf16-ratio (2) times torch's own bf
 every LLM.int8 product agrees; an explicit --tolerance bounds that error instead. The torch side
 uses bitsandbytes' reference path (exact dequantize + linear); --bnb-cpu-kernel keeps its
 eval-mode 4-bit CPU kernel, which rounds to bf16 internally on AVX512-BF16 CPUs (expect ~1e-2).
---int8-numerics weight_only leaves the LLM.int8 run and products out. A mixture-of-experts
+--int8-numerics weight_only leaves the LLM.int8 run and products out. --base-matmul fp8 adds a run
+with FP8 (E4M3) base products for the 4-bit weights, its error reported beside the others and
+never judged (E4M3 keeps 3 mantissa bits: a few percent per product). A mixture-of-experts
 model's dense experts stay as stored (--quantize-experts none, the default here); quantized
 (--quantize-experts nf4, or auto), the torch side multiplies the same dequantized experts, so the
 check covers jqlora's grouped 4-bit product. --perturb X deliberately
@@ -62,6 +64,10 @@ def add_arguments(p):
     p.add_argument("--int8-numerics", choices=("llm_int8", "weight_only"), default="llm_int8",
                    help="8-bit checkpoints: also compare bitsandbytes' LLM.int8 inference numerics and products "
                         "(llm_int8, the default), or the weight-only path only")
+    p.add_argument("--base-matmul", choices=("compute", "fp8"), default="compute",
+                   help="fp8: also run the JAX model with FP8 (E4M3) base products for its 4-bit weights and "
+                        "report its error against torch float32 beside the others (not judged; needs "
+                        "--batch x --tokens >= 256)")
     p.add_argument("--bnb-cpu-kernel", action="store_true",
                    help="torch side: keep bitsandbytes' eval-mode fused CPU 4-bit kernel")
     p.add_argument("--perturb", type=float, default=0.0, help="self-test: perturb the JAX model (see above)")
@@ -75,6 +81,11 @@ def run(args) -> int:
         raise CLIError("--tokens and --batch must be >= 1")
     if not args.bf16_ratio > 0:
         raise CLIError("--bf16-ratio must be > 0")
+    from jqlora.ops.fp8 import FP8_MIN_ROWS
+
+    if args.base_matmul == "fp8" and args.batch * args.tokens < FP8_MIN_ROWS:
+        raise CLIError(f"--base-matmul fp8: the FP8 products run from {FP8_MIN_ROWS} rows; --batch x --tokens "
+                       f"is {args.batch * args.tokens} (try --tokens {-(-FP8_MIN_ROWS // args.batch)})")
     path = model_dir(args.path, "PATH")
     quiet_third_party()
     from jqlora.crosscheck import crosscheck
@@ -82,6 +93,7 @@ def run(args) -> int:
     res = crosscheck(str(path), adapter=args.adapter, tokens=args.tokens, batch=args.batch, seed=args.seed,
                      dtype=args.dtype, tolerance=args.tolerance, bnb_cpu_kernel=args.bnb_cpu_kernel,
                      int8_numerics=args.int8_numerics, perturb=args.perturb,
-                     bf16_ratio=args.bf16_ratio, quantize_experts=quantize_experts(args, QUANTIZE_EXPERTS))
+                     bf16_ratio=args.bf16_ratio, quantize_experts=quantize_experts(args, QUANTIZE_EXPERTS),
+                     base_matmul=args.base_matmul)
     print(json.dumps(res.to_dict(), indent=1) if args.json else res.format())
     return 0 if res.passed else 2

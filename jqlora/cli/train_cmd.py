@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from jqlora._util import ATTENTION_AUTO_HELP, ATTENTION_CHOICES, BACKENDS, DTYPES, QUANTIZE_FORMATS
+from jqlora._util import ATTENTION_AUTO_HELP, ATTENTION_CHOICES, BACKENDS, BASE_MATMULS, DTYPES, QUANTIZE_FORMATS
 from jqlora.cli._common import CLIError, disk_error, echo_log, model_dir
 from jqlora.runs import (CLI_DEFAULTS, LORA_KEYS, MODEL_KEYS, OUTPUT_KEYS, LoraSettings, RunSettings, flag_name,
                          is_switch, train_field_types, type_name)
@@ -60,7 +60,7 @@ docs/training.md, "Preference and RL training", has their options and what they 
 
 _CHOICES = {"lr_schedule": LR_SCHEDULES,  # TrainConfig fields whose flag takes one of a few names
             "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES, "grpo_loss": GRPO_LOSSES,
-            "scale_rewards": SCALE_REWARDS}
+            "scale_rewards": SCALE_REWARDS, "base_matmul": BASE_MATMULS}
 
 _FIELD_HELP = {
     "data_path": "training data: .jsonl, .json (array), .csv, .tsv, .parquet, a datasets folder or a cached dataset id", "tokenizer_path": "tokenizer.json or its directory (default: the model's)",
@@ -84,6 +84,8 @@ _FIELD_HELP = {
     "chat_template": "a Jinja file replacing the tokenizer folder's chat template",
     "resume": "continue from the newest checkpoint in out_dir", "progress": "progress bar (default: on a terminal; plain lines in a log file)",
     "remat": "rematerialize decoder layers: auto (by the memory there is: the GPU's, or this process's RAM limit on CPU; JQLORA_MEMORY_GB=N overrides), true, false or a policy name", "grad_clip": "global-norm clip (none: off)",
+    "base_matmul": "the frozen 4-bit weights' products: in the compute dtype, or fp8 (E4M3 operands "
+                   "scaled per row: relative error about 0.04 a product, docs/numerics.md)",
     "objective": "sft (supervised), dpo (preference pairs) or grpo (prompts + reward functions)",
     "dpo_beta": "DPO beta", "dpo_loss": "DPO loss (TRL's definitions)",
     "precompute_ref": "DPO: reference log-probs of the whole set once, before step 1",
@@ -237,7 +239,7 @@ def _run(args, held: contextlib.ExitStack) -> int:
     print(f"attention: {attention} ({why})", file=sys.stderr)
     model = models.load_causal_lm(model_path, lora=lora_cfg, compute_dtype=jnp_dtype(compute),
                                   quantize=s.model.quantize, quantize_experts=s.model.quantize_experts,
-                                  backend=s.model.backend,
+                                  backend=s.model.backend, base_matmul=config.base_matmul,
                                   attention=attention, rngs=nnx.Rngs(config.seed), mesh=config.mesh)
     if init is not None:
         rep = adapters.attach_adapter(model, init, where=str(s.model.init_adapter))

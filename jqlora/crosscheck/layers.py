@@ -176,12 +176,14 @@ class CrosscheckResult:
                           f"{torch_does[self.torch_rounding]})",
                 "llm_int8": "bitsandbytes' LLM.int8 inference numerics reproduced (int8 activations, 16-bit "
                             "outlier columns)",
-                "torch_lowp": "torch's own low-precision error"}[run]
+                "torch_lowp": "torch's own low-precision error",
+                "fp8": "the 4-bit base products on FP8 (E4M3) operands scaled per row (--base-matmul fp8): "
+                       "reported, not judged"}[run]
         return f"{what}; vs {self.references.get(run, self.reference)}"
 
 
 RUN_TITLES = {"torch_lowp": "torch", "llm_int8": "jqlora LLM.int8", "own": "jqlora own",
-              "stored": "jqlora stored-rounded"}
+              "stored": "jqlora stored-rounded", "fp8": "jqlora fp8"}
 
 
 def diff(name: str, ours, ref) -> Diff:
@@ -347,6 +349,21 @@ def _diffs(names, ours, ref) -> list:
     return [diff(n, ours[n], ref[n]) for n in names]
 
 
+def with_fp8_base_products(model):
+    """A copy of `model` whose 4-bit linear layers compute their base products in FP8
+    (`numerics="fp8"`, what `load_causal_lm(base_matmul="fp8")` sets). The original is not modified."""
+    from flax import nnx
+
+    from jqlora import quant
+    from jqlora.lora.linear import QLoRALinear
+
+    copy = nnx.clone(model)
+    for _, layer in nnx.iter_graph(copy):
+        if isinstance(layer, QLoRALinear) and isinstance(layer.base.get_value(), quant.Weight4bit):
+            layer.numerics = "fp8"
+    return copy
+
+
 def with_int8_numerics(model, numerics: str):
     """`model` itself when its 8-bit layers (if any) already compute with `numerics`, else a copy
     whose 8-bit layers do ("weight_only" or "llm_int8": the attribute the loader sets from
@@ -420,7 +437,8 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
                seed: int = 0, dtype: str = "float32", tolerance: Optional[float] = None, jax_model=None,
                bnb_cpu_kernel: bool = False, int8_numerics: str = "llm_int8", perturb: float = 0.0,
                backend: str = "auto", bf16_ratio: float = BF16_RATIO,
-               weight_rounding: str = "auto", quantize_experts: str = "none") -> CrosscheckResult:
+               weight_rounding: str = "auto", quantize_experts: str = "none",
+               base_matmul: str = "compute") -> CrosscheckResult:
     """Compare jqlora (JAX) with transformers + bitsandbytes (+ PEFT) on the same tokens: weights,
     every layer with each numerics, and LLM.int8 products (the stages: `jqlora.crosscheck.weights`,
     the module docstring, `jqlora.crosscheck.products`; the verdict: the module docstring).
@@ -448,6 +466,9 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
       quantize_experts: the format of a mixture-of-experts model's dense experts on the JAX side
         (`load_causal_lm`; "none": as stored, as transformers holds them). Quantized, the torch
         side gets the same dequantized experts (`share_experts`).
+      base_matmul: "fp8" adds a run ("fp8") of the JAX model with FP8 base products for its 4-bit
+        weights, against the same torch float32 reference, reported beside the others and never
+        part of the verdict. The FP8 products run from `FP8_MIN_ROWS` rows (batch x tokens) up.
     """
     import jax.numpy as jnp
 
@@ -459,6 +480,8 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
         raise ValueError(f"dtype must be one of {sorted(DEFAULT_TOLERANCE)}, got {dtype!r}")
     if int8_numerics not in ("llm_int8", "weight_only"):
         raise ValueError(f"int8_numerics must be 'llm_int8' or 'weight_only', got {int8_numerics!r}")
+    if base_matmul not in ("compute", "fp8"):
+        raise ValueError(f"base_matmul must be 'compute' or 'fp8', got {base_matmul!r}")
     if weight_rounding not in ("auto", "own", "stored"):
         raise ValueError(f"weight_rounding must be 'auto', 'own' or 'stored', got {weight_rounding!r}")
     path = Path(path)
@@ -489,6 +512,13 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
     ids = np.asarray(ids)
     if ids.ndim != 2:
         raise ValueError(f"ids must be (batch, tokens), got shape {ids.shape}")
+    from jqlora.ops.fp8 import FP8_MIN_ROWS
+
+    if base_matmul == "fp8" and ids.size < FP8_MIN_ROWS:
+        raise ValueError(f"base_matmul='fp8' needs at least {FP8_MIN_ROWS} rows (batch x tokens), got "
+                         f"{ids.shape[0]} x {ids.shape[1]}: fewer rows run the compute-dtype products")
+    if base_matmul == "fp8" and not has_4bit:
+        notes.append("--base-matmul fp8: no 4-bit weights, so no FP8 run")
     lowp = dtype != "float32"
     explicit_tol = tolerance is not None
     if tolerance is None:
@@ -510,7 +540,7 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
     torch_rounding = bnb_weight_rounding()
     patch_torch_weights(tm32, fixes, stored, torch_rounding)
     refs = {"own": torch_model_states(tm32, ids)}
-    references = {"own": "torch float32", "stored": "torch float32"}
+    references = {"own": "torch float32", "stored": "torch float32", "fp8": "torch float32"}
     products = []
     if int8_act:  # the same float32 model, its LLM.int8 layers on the inference path
         set_int8_inference(tm32)
@@ -535,6 +565,8 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
     runs["own"] = _diffs(all_names, jax_states(own_model, ids), refs["own"])
     if has_4bit:
         runs["stored"] = _diffs(all_names, jax_states(torch_numerics_model(own_model, cdt), ids), refs["own"])
+    if has_4bit and base_matmul == "fp8":  # reported beside the others, never the verdict's run
+        runs["fp8"] = _diffs(all_names, jax_states(with_fp8_base_products(own_model), ids), refs["own"])
     jq_bad = [w.name for w in weights if not w.jqlora_ok]
     if not lowp:
         key = "own"
@@ -583,6 +615,8 @@ def crosscheck(path, *, adapter=None, ids: Optional[np.ndarray] = None, tokens: 
         passed = False
         rule += f"; jqlora's weights disagree with the independent decode: {', '.join(jq_bad[:4])}" + \
             (" ..." if len(jq_bad) > 4 else "")
+    if lowp and "fp8" in runs:
+        rule += f"; jqlora fp8 base products: logits error {runs['fp8'][-1].rel:.3e} (for information)"
     if fixes:
         rule += f"; {len(fixes)} bitsandbytes weight(s) decoded wrongly by bitsandbytes (see above), not a jqlora failure"
     verdict_runs = runs[key]

@@ -112,8 +112,10 @@ class QLoRALinear(nnx.Module):
       compute_dtype: dtype of the matmul and of the output; None = the input's dtype.
       backend: passed to `jqlora.ops.qmatmul` ("auto", "pallas", "interpret", "xla").
       param_dtype: dtype of A and B (float32 by default).
-      numerics: "weight_only" (default) or "llm_int8" (an Int8Weight only: bitsandbytes'
-        LLM.int8 inference numerics, int8 activations + fp16 outliers; see jqlora.ops.qmatmul).
+      numerics: "weight_only" (default), "llm_int8" (an Int8Weight only: bitsandbytes'
+        LLM.int8 inference numerics, int8 activations + fp16 outliers) or "fp8" (a Weight4bit
+        only: the base products on float8_e4m3fn operands scaled per row, the LoRA branch in the
+        compute dtype; see jqlora.ops.qmatmul and jqlora.ops.fp8).
     """
 
     def __init__(
@@ -132,6 +134,9 @@ class QLoRALinear(nnx.Module):
         numerics: str = "weight_only",
     ):
         base = _check_base(base)
+        if numerics == "fp8" and not isinstance(base, quant.Weight4bit):
+            raise ValueError(f"numerics='fp8' applies to a 4-bit base (Weight4bit), got "
+                             f"{type(base).__name__}")
         self.out_features, self.in_features = base_shape(base)
         self.base = QuantizedBase(base)
         if bias is not None:
@@ -264,5 +269,7 @@ class QLoRALinear(nnx.Module):
     def merged_layer(self, requantize: bool = True) -> "QLoRALinear":
         """A new rank-0 `QLoRALinear` over `merge(requantize)` with the same bias/dtype/backend."""
         bias = None if self.bias is None else self.bias.get_value()
-        return QLoRALinear(self.merge(requantize), bias=bias, compute_dtype=self.compute_dtype,
-                           backend=self.backend, numerics=self.numerics)
+        merged = self.merge(requantize)
+        fp8_lost = self.numerics == "fp8" and not isinstance(merged, quant.Weight4bit)
+        return QLoRALinear(merged, bias=bias, compute_dtype=self.compute_dtype, backend=self.backend,
+                           numerics="weight_only" if fp8_lost else self.numerics)

@@ -15,7 +15,7 @@ from flax import nnx
 from interop.bnb_common import NON_TEXT_PREFIXES  # the parts a text model leaves out (said once)
 from interop.experts import canonical_moe_params  # Mixtral's expert keys under transformers 5's names
 from jqlora import quant
-from jqlora._util import QUANTIZE_FORMATS
+from jqlora._util import BASE_MATMULS, QUANTIZE_FORMATS
 from jqlora.errors import SettingError
 from jqlora.lora.apply import apply_lora
 from jqlora.lora.config import LoraConfig
@@ -37,7 +37,7 @@ class _Source:
 
     def __init__(self, params: Mapping[str, Any], *, quantize=None, compute_dtype=None, backend="auto",
                  param_dtype=None, blocksize: int = 64, double_quant: bool = True, int8_numerics="weight_only",
-                 donate: bool = False, quantize_experts: Optional[str] = "auto"):
+                 donate: bool = False, quantize_experts: Optional[str] = "auto", base_matmul: str = "compute"):
         if quantize not in (None, *QUANTIZE_FORMATS):
             raise SettingError(f"quantize must be None, 'nf4', 'fp4' or 'int8', got {quantize!r}")
         if quantize_experts not in ("auto", "none", None, *QUANTIZE_FORMATS):
@@ -57,6 +57,9 @@ class _Source:
         self.blocksize = blocksize
         self.double_quant = double_quant
         self.int8_numerics = int8_numerics
+        if base_matmul not in BASE_MATMULS:
+            raise SettingError(f"base_matmul must be one of {', '.join(BASE_MATMULS)}, got {base_matmul!r}")
+        self.base_matmul = base_matmul
         self.donate = donate
         self.used: set[str] = set()
 
@@ -123,6 +126,8 @@ class _Source:
         dense = not isinstance(w, (quant.Weight4bit, quant.Int8Weight))
         # A dense weight has no kernel: it always takes qmatmul's "auto" (jnp) path.
         numerics = self.int8_numerics if isinstance(w, quant.Int8Weight) else "weight_only"
+        if self.base_matmul == "fp8" and isinstance(w, quant.Weight4bit):
+            numerics = "fp8"  # FP8 base products for 4-bit weights; dense and 8-bit ones as they are
         return QLoRALinear(w, bias=b, compute_dtype=self.compute_dtype, backend="auto" if dense else self.backend,
                            numerics=numerics)
 
@@ -247,7 +252,8 @@ def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], 
                 compute_dtype=jnp.bfloat16, quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None,
                 remat=False, backend: str = "auto", param_dtype=None, strict: bool = True,
                 int8_numerics: str = "weight_only", attention: str = "einsum",
-                donate_params: bool = False, quantize_experts: Optional[str] = "auto") -> CausalLM:
+                donate_params: bool = False, quantize_experts: Optional[str] = "auto",
+                base_matmul: str = "compute") -> CausalLM:
     """Build a `CausalLM` from an HF-keyed params dict (as `interop.load_bnb_checkpoint` returns).
 
     quantize: quantize dense linear weights at build time ("nf4", "fp4" with blocksize 64 and
@@ -259,6 +265,9 @@ def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], 
       training path computes) or "llm_int8" (bitsandbytes' inference numerics: int8 activations
       with fp16 outliers above the checkpoint's llm_int8_threshold).
     remat: False, True, "auto" or a policy name (see `CausalLM`).
+    base_matmul: "compute" (the compute dtype) or "fp8": the frozen 4-bit linear weights' products
+      on float8_e4m3fn operands scaled per row (`qmatmul(numerics="fp8")`, docs/numerics.md);
+      LoRA branches, dense and 8-bit weights, expert stacks and the LM head keep the compute dtype.
     quantize_experts: the format of mixture-of-experts weights stored dense: "auto" (NF4 in a
       quantized checkpoint, where transformers + bitsandbytes leave experts in bf16; else as
       `quantize`), "nf4", "fp4", "int8", or "none" (kept dense). Routers stay dense always.
@@ -271,7 +280,8 @@ def from_params(params: Mapping[str, Any], config: Union[Mapping, ModelConfig], 
     multimodal = any(k.startswith(TEXT_MODEL_PREFIXES) for k in params)
     params = canonical_moe_params(text_model_params(params), cfg.model_type)
     src = _Source(params, quantize=quantize, compute_dtype=compute_dtype, backend=backend, param_dtype=param_dtype,
-                  int8_numerics=int8_numerics, donate=donate_params, quantize_experts=quantize_experts)
+                  int8_numerics=int8_numerics, donate=donate_params, quantize_experts=quantize_experts,
+                  base_matmul=base_matmul)
     model = CausalLM(cfg, src, compute_dtype=compute_dtype, remat=remat, backend=backend, attention=attention)
     model.text_of_multimodal = multimodal  # PEFT names its modules under the multimodal model's prefix
     if strict:

@@ -35,7 +35,8 @@ def _check_config(path: str) -> dict:
 def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=jnp.bfloat16,
                    quantize: Optional[str] = None, rngs: Optional[nnx.Rngs] = None, remat=False, *,
                    backend: str = "auto", param_dtype=None, int8_numerics: str = "weight_only",
-                   attention: str = "einsum", mesh=None, quantize_experts: Optional[str] = "auto") -> CausalLM:
+                   attention: str = "einsum", mesh=None, quantize_experts: Optional[str] = "auto",
+                   base_matmul: str = "compute") -> CausalLM:
     """Load a Hugging Face checkpoint folder (bitsandbytes 4-bit, bitsandbytes 8-bit, or plain
     safetensors) as a `CausalLM`.
 
@@ -68,6 +69,8 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
       param_dtype: cast the checkpoint's dense (non-quantized) tensors to this dtype; None
         keeps the stored dtype.
       int8_numerics: "weight_only" or "llm_int8" for 8-bit weights (see `QLoRALinear`).
+      base_matmul: "compute" or "fp8": the frozen 4-bit linear weights' products in the compute
+        dtype, or on float8_e4m3fn operands scaled per row (`from_params`, docs/numerics.md).
       attention: "einsum", "xla" or "cudnn".
       quantize_experts: the format of mixture-of-experts weights stored dense ("auto": NF4 in a
         quantized checkpoint, else as `quantize`; "nf4", "fp4", "int8", or "none" to keep them).
@@ -100,7 +103,7 @@ def load_causal_lm(path: str, lora: Optional[LoraConfig] = None, compute_dtype=j
     model = from_params(params, config, lora=lora, compute_dtype=compute_dtype, quantize=quantize, rngs=rngs,
                        remat=remat, backend=backend, param_dtype=param_dtype, int8_numerics=int8_numerics,
                        attention=attention, donate_params=True,  # the dict is ours: stack without a second copy
-                       quantize_experts=quantize_experts)
+                       quantize_experts=quantize_experts, base_matmul=base_matmul)
     model.checkpoint_path = os.path.abspath(path)  # what a run record names as the base (jqlora.train.train)
     model.checkpoint_quantize = quantize
     model.checkpoint_quantize_experts = "none" if quantize_experts is None else quantize_experts

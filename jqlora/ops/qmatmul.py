@@ -6,7 +6,8 @@ so its backward runs in the compute dtype too.
 Invariants (docs/design.md): the compute dtype is an argument (default: x's dtype), never the
 checkpoint's stored dtype; inputs of any rank are flattened to 2-D here and only here; the
 backward pass saves the packed weight and its scales (plus x, A, B and x @ A.T for LoRA) and
-never a dense (N, K) weight; the frozen weight gets no gradient.
+never a dense (N, K) weight; the frozen weight gets no gradient. numerics="fp8" (a 4-bit W,
+`jqlora.ops.fp8`) replaces the two base products and keeps the same residuals.
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import jax
 import jax.numpy as jnp
 
 import jqlora.ops.sharding as sharding
+from jqlora.ops import fp8
 from jqlora.ops.dispatch import Plan, choose_plan
 from jqlora.ops.products import acc_dtype, backward_product, dot_nn, dot_nt, forward_product, precision
 from jqlora.quant import Int8Weight, Weight4bit
 
-NUMERICS = ("weight_only", "llm_int8")
+NUMERICS = ("weight_only", "llm_int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,8 @@ def _zero_cotangent(q):
 
 def _weight_forward(st: _Static, x, q):
     """x @ W.T in the compute dtype, for a quantized or a frozen dense W."""
+    if st.numerics == "fp8":
+        return fp8.forward_fp8(st.plan, x, q, out_dtype=st.out_dtype)
     if isinstance(q, (Weight4bit, Int8Weight)):
         return forward_product(st.plan, x, q, out_dtype=st.out_dtype, numerics=st.numerics)
     return dot_nt(x, q).astype(st.out_dtype)
@@ -55,6 +59,8 @@ def _weight_backward(st: _Static, dy, q, out_dtype):
     hands the transposed dot a float32 cotangent, so XLA widens W to float32 and runs a float32
     GEMM, several times slower than the compute-dtype one for an LM head
     (benchmarks/results/JOURNAL.md). dy's values are exact in the compute dtype."""
+    if st.numerics == "fp8":
+        return fp8.backward_fp8(st.plan, dy, q, out_dtype=out_dtype)
     if isinstance(q, (Weight4bit, Int8Weight)):
         return backward_product(st.plan, dy, q, out_dtype=out_dtype)
     return dot_nn(dy, q).astype(out_dtype)
@@ -145,10 +151,18 @@ def qmatmul(
              which kernel each one runs: `jqlora.ops.dispatch` (docs/kernels.md).
     variant: force a named kernel variant from `pallas_kernels.registry` (kernel backends only).
     numerics: "weight_only" (default), or "llm_int8" to reproduce bitsandbytes' LLM.int8
-              inference numerics for an Int8Weight (forward; the backward is weight-only).
+              inference numerics for an Int8Weight (forward; the backward is weight-only), or
+              "fp8" for a Weight4bit: both base products on float8_e4m3fn operands scaled per
+              row (`jqlora.ops.fp8`; the LoRA branch stays in the compute dtype), from
+              `fp8.FP8_MIN_ROWS` rows per device up; fewer rows run the "weight_only" product.
     """
     if numerics not in NUMERICS:
         raise ValueError(f"unknown numerics {numerics!r}; expected one of {NUMERICS}")
+    if numerics == "fp8":
+        fp8.check_fp8_weight(q)
+        if variant is not None:
+            raise ValueError(f"variant={variant!r} names a compute-dtype kernel; numerics='fp8' "
+                             "runs its own FP8 dequant kernels")
     x = jnp.asarray(x)
     if x.ndim < 1:
         raise ValueError("qmatmul needs x with at least one dimension (..., in_features)")
@@ -168,7 +182,12 @@ def qmatmul(
     if not quantized:
         q = jax.lax.stop_gradient(jnp.asarray(q)).astype(cd)
     # under a training mesh each device multiplies its own rows by the whole weight (jqlora.parallel)
-    plan = choose_plan(q, sharding.local_rows(m), backend, variant=variant, numerics=numerics, dtype=cd.name)
+    local = sharding.local_rows(m)
+    if numerics == "fp8" and local < fp8.FP8_MIN_ROWS:
+        numerics = "weight_only"  # a few rows: the compute-dtype product (GEMV kernels), as generation runs
+    # the dispatch table knows the compute-dtype kernels; fp8 reads only the backend from it
+    plan = choose_plan(q, local, backend, variant=variant, numerics="weight_only" if numerics == "fp8" else numerics,
+                       dtype=cd.name)
     st = _Static(plan, numerics, cd.name)
     if lora is None:
         y = sharding.per_device(functools.partial(_base, st), x2, q)

@@ -17,9 +17,9 @@ CLI_DEFAULTS = {"attention": "auto", "remat": "auto"}
 # pairs of settings where one replaces the other: a layer of settings gives at most one of each
 EITHER_OR = (("epochs", "steps"), ("warmup_ratio", "warmup"))
 # what a resumed run must keep: the base, its numerics and the shape of the LoRA being trained
-RESUME_FIXED = ("model", "compute_dtype", "quantize", "quantize_experts")
+RESUME_FIXED = ("model", "compute_dtype", "quantize", "quantize_experts", "base_matmul")
 # what a record (or a run's settings) that leaves a RESUME_FIXED key out means
-_RECORD_DEFAULTS = {"quantize_experts": "auto"}
+_RECORD_DEFAULTS = {"quantize_experts": "auto", "base_matmul": "compute"}
 RESUME_FIXED_LORA = ("rank", "alpha", "target_modules", "use_rslora")
 
 
@@ -133,7 +133,9 @@ def check_resume(merged: dict, recorded_lora: LoraSettings, stored: dict, run_di
     """Refuse a resumed run whose model, dtype, quantization or LoRA shape differs from its record
     (`stored`, whose LoRA settings are `recorded_lora`)."""
     for key in RESUME_FIXED:
-        theirs, mine = stored.get(key, _RECORD_DEFAULTS.get(key)), merged.get(key, _RECORD_DEFAULTS.get(key))
+        default = _RECORD_DEFAULTS.get(key)
+        theirs = stored.get(key, stored.get("train", {}).get(key, default))  # a TrainConfig field: in "train"
+        mine = merged.get(key, default)
         same = _same_path if key == "model" else (lambda a, b: a == b)
         if theirs is not None and not same(mine, theirs):
             raise RunError(f"--resume: {key} is {mine!r} but the run in {run_dir} used {theirs!r}")

@@ -14,6 +14,8 @@ import math
 import warnings
 from typing import Any
 
+from jqlora._util import BASE_MATMULS
+
 LR_SCHEDULES = ("cosine", "linear", "constant")
 OBJECTIVES = ("sft", "dpo", "grpo")
 
@@ -43,6 +45,9 @@ class TrainConfig:
     save_every: int = 100        # checkpoint every N steps (0: only at the end); always at the end
     log_every: int = 10          # loss.csv row at step 1, every N steps and the last (loss: the mean since the row before)
     remat: bool | str = False    # per-layer rematerialization in the model (see train())
+    # "fp8": the frozen 4-bit weights' products on E4M3 operands (load_causal_lm(base_matmul=),
+    # which `jqlora train` passes it to); "compute": in the compute dtype
+    base_matmul: str = "compute"
     packing: bool = True         # several examples per row; False: one per row, no segment mask
     eval_every: int | None = None
     eval_data_path: str | None = None
@@ -107,6 +112,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.epochs must be > 0 or None, got {self.epochs}")
         if self.warmup_ratio is not None and not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"TrainConfig.warmup_ratio must be in [0, 1] or None, got {self.warmup_ratio}")
+        if self.base_matmul not in BASE_MATMULS:
+            raise ValueError(f"TrainConfig.base_matmul must be one of {', '.join(BASE_MATMULS)}, "
+                             f"got {self.base_matmul!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"TrainConfig.objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.objective != "sft":
@@ -117,9 +125,6 @@ class TrainConfig:
         if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float))
                                  or not 0 <= coef < math.inf):
             raise ValueError(f"TrainConfig.router_aux_loss_coef must be a number >= 0 or None, got {coef!r}")
-        if coef and self.objective != "sft":
-            raise ValueError(f"TrainConfig.router_aux_loss_coef is added to the SFT loss only; "
-                             f"objective {self.objective!r} does not take it")
         _check_remat(self.remat)
         if self.tensorboard and not tensorboard_available():
             raise ValueError("TrainConfig.tensorboard is on but tensorboardX is not installed "

@@ -34,6 +34,12 @@ step's wall time by part: ``time/rollout_s``, ``time/rewards_s``, ``time/update_
 reference pass, the policy's forward and backward and the optimizer update; the first step's
 includes compilation).
 
+Mixture-of-experts models: where the router's load-balancing loss is on
+(:func:`jqlora.train.router_aux.router_aux_coef`), each micro-batch's loss adds ``coef / grad_accum``
+times the aux loss of the policy's forward over its prompt + completion tokens, as TRL's
+``GRPOTrainer`` adds it (:mod:`jqlora.train.router_aux`); logged as ``aux_loss`` (the mean over
+the micro-batches).
+
 Resume: the data position and the rollout RNG key are the task's state in each checkpoint; a
 resumed run draws the same prompts and samples the same completions as an uninterrupted one.
 """
@@ -53,6 +59,7 @@ from .examples import DataError
 from .logps import right_padded_rows, token_logps
 from .objective_step import make_update_step
 from .objectives import reward_weight_list
+from .router_aux import policy_logps_and_aux, routed_rows, router_aux_coef
 
 __all__ = ["PromptSet", "load_prompts", "group_advantages", "grpo_token_loss", "GRPOTask"]
 
@@ -242,9 +249,13 @@ def rollout(model, prompts: list[np.ndarray], max_new_tokens: int, *, key, tempe
 # device side
 # ----------------------------------------------------------------------------------------------
 
-def _micro(model, reference, mb, *, temperature, beta, epsilon, epsilon_high, loss_type, max_completion_length):
+def _micro(model, reference, mb, *, temperature, beta, epsilon, epsilon_high, loss_type, max_completion_length,
+           aux_coef=0.0, micro_batches=1):
     mask = mb["loss_mask"]
-    logps = token_logps(model, mb, temperature=temperature)
+    if aux_coef:
+        logps, aux = policy_logps_and_aux(model, mb, temperature=temperature)
+    else:
+        logps = token_logps(model, mb, temperature=temperature)
     ref = None
     if beta != 0.0:
         ref = jax.lax.stop_gradient(token_logps(reference(), mb, temperature=temperature))
@@ -258,14 +269,19 @@ def _micro(model, reference, mb, *, temperature, beta, epsilon, epsilon_high, lo
     sums = {"clipped": jax.lax.stop_gradient((clipped * mask).sum())}
     if kl is not None:
         sums["kl"] = jax.lax.stop_gradient(kl.sum())
+    if aux_coef:  # TRL: coef * aux / gradient accumulation steps, per micro-batch
+        loss = loss + (aux_coef / micro_batches) * aux
+        sums["aux_loss"] = jax.lax.stop_gradient(aux) / micro_batches
     return loss, sums
 
 
 @functools.lru_cache(maxsize=8)  # once per setting (and model structure), like the SFT step
-def _compiled_step(temperature, beta, epsilon, epsilon_high, loss_type, max_completion_length):
+def _compiled_step(temperature, beta, epsilon, epsilon_high, loss_type, max_completion_length, aux_coef=0.0,
+                   micro_batches=1):
     def grpo_micro(m, reference, mb):
         return _micro(m, reference, mb, temperature=temperature, beta=beta, epsilon=epsilon,
-                      epsilon_high=epsilon_high, loss_type=loss_type, max_completion_length=max_completion_length)
+                      epsilon_high=epsilon_high, loss_type=loss_type, max_completion_length=max_completion_length,
+                      aux_coef=aux_coef, micro_batches=micro_batches)
 
     return make_update_step(grpo_micro)
 
@@ -310,6 +326,10 @@ class GRPOTask:
         self.eval_columns = ()
         self.shown = ("reward",)
 
+        self.aux_coef = router_aux_coef(model, config)  # None: off (a model without routers, or config.json)
+        if self.aux_coef is not None:
+            self.columns += ("aux_loss",)
+
     def rows_per_epoch(self) -> int:
         return len(self.prompts)
 
@@ -329,10 +349,11 @@ class GRPOTask:
         c = self.config
         self.model = model
 
+        aux = () if self.aux_coef is None else (self.aux_coef, int(c.grad_accum))
         self._step = _compiled_step(
             float(c.temperature), float(c.grpo_beta), float(c.epsilon),
             None if c.epsilon_high is None else float(c.epsilon_high), c.grpo_loss,
-            int(c.max_completion_length)).bind(model, optimizer)
+            int(c.max_completion_length), *aux).bind(model, optimizer)
 
     def sample(self, idx: list[int], key) -> tuple[list[int], list[np.ndarray], float]:
         """(prompt index per completion, completions, seconds): ``num_generations`` per prompt."""
@@ -371,17 +392,8 @@ class GRPOTask:
         total = (per_func * self.weights[None, :]).sum(axis=1)
         adv, zero_std = group_advantages(total, g, c.scale_rewards)
         lengths = np.asarray([len(x) for x in completions])
-        seqs = [np.concatenate([self.prompts.ids[i], comp]) for i, comp in zip(rows, completions)]
-        scored = [np.r_[np.zeros(len(self.prompts.ids[i]), bool), np.ones(len(comp), bool)]
-                  for i, comp in zip(rows, completions)]
-        width = self.width + int(c.max_completion_length) - 1
-        batch = right_padded_rows(seqs, scored, width, self.special.pad_id)
-        batch["advantages"] = adv
-        n_tok = float(batch["loss_mask"].sum())
-        per = len(rows) // ga
-        stacked = {k: v.reshape(ga, per, *v.shape[1:]) for k, v in batch.items()}
-        stacked["n_completions"] = np.full((ga,), float(len(rows)), np.float32)
-        stacked["n_tokens"] = np.full((ga,), n_tok, np.float32)
+        stacked = self.update_batches(rows, completions, adv)
+        n_tok = float(stacked["n_tokens"][0])
         t0 = time.perf_counter()
         m = {k: v.item() for k, v in jax.device_get(self._step(stacked)).items()}
         m["time/update_s"] = time.perf_counter() - t0
@@ -404,6 +416,23 @@ class GRPOTask:
         m["tokens"] = int(lengths.sum())
         self.last_rollout = {"rows": rows, "completions": completions, "rewards": per_func, "advantages": adv}
         return m
+
+    def update_batches(self, rows: list[int], completions: list[np.ndarray], advantages: np.ndarray) -> dict:
+        """The step's ``grad_accum`` micro-batches of prompt + completion rows (prompts ``rows``),
+        with their advantages and the step's completion and completion-token counts."""
+        ga = int(self.config.grad_accum)
+        seqs = [np.concatenate([self.prompts.ids[i], comp]) for i, comp in zip(rows, completions)]
+        scored = [np.r_[np.zeros(len(self.prompts.ids[i]), bool), np.ones(len(comp), bool)]
+                  for i, comp in zip(rows, completions)]
+        width = self.width + int(self.config.max_completion_length) - 1
+        batch = (right_padded_rows if self.aux_coef is None else routed_rows)(seqs, scored, width, self.special.pad_id)
+        batch["advantages"] = np.asarray(advantages, np.float32)
+        n_tok = float(batch["loss_mask"].sum())
+        per = len(rows) // ga
+        stacked = {k: v.reshape(ga, per, *v.shape[1:]) for k, v in batch.items()}
+        stacked["n_completions"] = np.full((ga,), float(len(rows)), np.float32)
+        stacked["n_tokens"] = np.full((ga,), n_tok, np.float32)
+        return stacked
 
     def evaluate(self) -> dict:  # pragma: no cover - GRPO has no held-out evaluation
         raise NotImplementedError

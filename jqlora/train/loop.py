@@ -53,10 +53,10 @@ from .data import SegmentTables, training_batches
 from .examples import Example, Schema, parse_example
 from .metrics import CSV_NAME, EVAL_CSV_NAME, PNG_NAME, MetricsLog, write_loss_plot
 from .optim import make_optimizer, make_schedule, schedule_table
+from .router_aux import router_aux_coef
 from .step import evaluate, train_step, train_step_aux
 from .tokenization import check_tokenizer_fits, load_tokenizer, special_tokens, tokenize_examples, tokenize_source
 from .. import parallel
-from ..errors import SettingError
 from ..ops import sharding
 
 __all__ = ["TrainConfig", "TrainResult", "NonFiniteLossError", "train"]
@@ -202,28 +202,6 @@ def _apply_remat(model, remat) -> None:
             pass
     warnings.warn("remat requested but the model has no set_remat() method, remat attribute or "
                   "mutable config.remat field: training without rematerialization", stacklevel=3)
-
-
-def router_aux_coef(model, config: TrainConfig) -> float | None:
-    """The coefficient of the router's load-balancing loss for this run, None when it is off:
-    ``config.router_aux_loss_coef`` when set (0: off), else config.json's ``router_aux_loss_coef``
-    where its ``output_router_logits`` is true (what transformers adds then).
-
-    Raises:
-      SettingError: a coefficient > 0 for a model without mixture-of-experts layers."""
-    cfg = getattr(model, "config", None)
-    moe = bool(getattr(cfg, "num_experts", 0)) and any(getattr(cfg, "sparse_layers", ()))
-    coef = config.router_aux_loss_coef
-    if coef is None:
-        on = moe and cfg.output_router_logits and cfg.router_aux_loss_coef > 0
-        return float(cfg.router_aux_loss_coef) if on else None
-    if not coef:
-        return None
-    if not moe:
-        kind = getattr(cfg, "model_type", type(model).__name__)
-        raise SettingError(f"TrainConfig.router_aux_loss_coef={coef:g}: the load-balancing loss is for "
-                           f"mixture-of-experts models; this {kind} model has no router")
-    return float(coef)
 
 
 def _prepare_one_device(model, optimizer, config) -> None:

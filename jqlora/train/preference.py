@@ -28,6 +28,12 @@ rewards 0, up to the last bit (the policy's pass runs inside the gradient progra
 reference's beside it, and XLA may round them differently); the log-ratios are taken token by
 token, so where the two passes agree the ratio is exactly 0. A run started from an
 ``init_adapter`` still takes the base (LoRA off) as its reference.
+
+Mixture-of-experts models: where the router's load-balancing loss is on
+(:func:`jqlora.train.router_aux.router_aux_coef`), the step's loss adds ``coef`` times the mean over
+its micro-batches of the policy forward's aux loss (chosen and rejected rows together), as TRL's
+``DPOTrainer`` adds it (:mod:`jqlora.train.router_aux`); logged as ``aux_loss``. Evaluation
+reports the DPO loss alone.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ import numpy as np
 from .examples import DataError
 from .logps import right_padded_rows, token_logps
 from .objective_step import make_eval_fn, make_update_step
+from .router_aux import policy_logps_and_aux, routed_rows, router_aux_coef
 
 __all__ = ["dpo_losses", "dpo_losses_from_ratios", "PairSet", "load_pairs", "DPOTask", "METRICS"]
 
@@ -213,11 +220,12 @@ def load_pairs(data, tokenizer, special, seq_len: int, *, vocab_size: int | None
     return PairSet(source, where, seqs)
 
 
-def pair_batch(pairs: PairSet, idx: Sequence[int], seq_len: int, pad_id: int) -> dict:
-    """Rows ``[chosen of idx..., rejected of idx...]`` right-padded to ``seq_len`` slots."""
+def pair_batch(pairs: PairSet, idx: Sequence[int], seq_len: int, pad_id: int, *, routed: bool = False) -> dict:
+    """Rows ``[chosen of idx..., rejected of idx...]`` right-padded to ``seq_len`` slots; ``routed``:
+    laid out for the router's load-balancing loss (:func:`jqlora.train.router_aux.routed_rows`)."""
     seqs = [pairs.seqs[i][0] for i in idx] + [pairs.seqs[i][2] for i in idx]
     scored = [pairs.seqs[i][1] for i in idx] + [pairs.seqs[i][3] for i in idx]
-    return right_padded_rows(seqs, scored, seq_len, pad_id)
+    return (routed_rows if routed else right_padded_rows)(seqs, scored, seq_len, pad_id)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,7 +234,12 @@ def pair_batch(pairs: PairSet, idx: Sequence[int], seq_len: int, pad_id: int) ->
 
 def _pair_values(model, reference, mb, *, beta, loss_type, label_smoothing):
     """Per pair: (losses, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps)."""
-    per_token = token_logps(model, mb)
+    return _pair_scores(token_logps(model, mb), reference, mb, beta=beta, loss_type=loss_type,
+                        label_smoothing=label_smoothing)
+
+
+def _pair_scores(per_token, reference, mb, *, beta, loss_type, label_smoothing):
+    """:func:`_pair_values` from the policy's per-token log-probs."""
     logps = per_token.sum(-1)
     if "ref_logps" in mb:
         ratios = logps - mb["ref_logps"]
@@ -247,9 +260,16 @@ def _sums(losses, cr, rr, lc, lr_):
             "logps/chosen": lc.sum(), "logps/rejected": lr_.sum()}
 
 
-def _micro(model, reference, mb, *, pairs_per_step, **kw):
-    values = _pair_values(model, reference, mb, **kw)
-    return values[0].sum() / pairs_per_step, _sums(*values)
+def _micro(model, reference, mb, *, pairs_per_step, aux_coef=0.0, micro_batches=1, **kw):
+    """The micro-batch's share of the step's loss: its pairs' DPO losses over the step's pairs, plus
+    ``aux_coef`` times the policy forward's load-balancing loss over the step's micro-batches."""
+    if not aux_coef:
+        values = _pair_values(model, reference, mb, **kw)
+        return values[0].sum() / pairs_per_step, _sums(*values)
+    per_token, aux = policy_logps_and_aux(model, mb)
+    values = _pair_scores(per_token, reference, mb, **kw)
+    sums = {**_sums(*values), "aux_loss": jax.lax.stop_gradient(aux) / micro_batches}
+    return values[0].sum() / pairs_per_step + (aux_coef / micro_batches) * aux, sums
 
 
 def _eval_values(model, reference, mb, **kw):
@@ -288,6 +308,10 @@ class DPOTask:
         self.order = EpochOrder(len(self.pairs), config.seed, config.shuffle)
         self.ref_table = None
 
+        self.aux_coef = router_aux_coef(model, config)  # None: off (a model without routers, or config.json)
+        if self.aux_coef is not None:
+            self.columns = METRICS + ("aux_loss",)
+
     @property
     def evaluating(self) -> bool:
         return self.eval_pairs is not None
@@ -313,7 +337,8 @@ class DPOTask:
         self.model = model
         n = self.batch_size * int(c.grad_accum)
         kw = tuple(sorted(self._kw().items()))
-        self._step = _compiled_step(kw + (("pairs_per_step", float(n)),)).bind(model, optimizer)
+        aux = () if self.aux_coef is None else (("aux_coef", self.aux_coef), ("micro_batches", int(c.grad_accum)))
+        self._step = _compiled_step(kw + (("pairs_per_step", float(n)),) + aux).bind(model, optimizer)
         self._eval_fn = _compiled_eval(kw)
         if c.precompute_ref:
             self.ref_table = self.reference_logps(self.pairs)
@@ -336,7 +361,7 @@ class DPOTask:
         mbs = []
         for _ in range(int(c.grad_accum)):
             idx = self.order.take(self.batch_size)
-            mb = pair_batch(self.pairs, idx, c.seq_len, self.special.pad_id)
+            mb = pair_batch(self.pairs, idx, c.seq_len, self.special.pad_id, routed=self.aux_coef is not None)
             if self.ref_table is not None:
                 mb["ref_logps"] = np.concatenate([self.ref_table[idx, 0], self.ref_table[idx, 1]])
             mbs.append(mb)

@@ -255,3 +255,37 @@ def matmul_4bit_decoded_dot_reference(x, packed, absmax, code, *, blocksize: int
         code = rounded.astype(jnp.float32)
     return matmul_4bit_reference(x, packed, absmax, code, blocksize=blocksize,
                                  out_dtype=out_dtype, interpret=interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 (E4M3) weights for the optional FP8 base products (jqlora.ops.fp8)
+# ----------------------------------------------------------------------------------------------
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def saturate_to_fp8(v):
+    """float32 values as float8_e4m3fn, clipped to +-448 first: e4m3fn has no infinity, and a
+    value that rounds past 448 converts to NaN on XLA's CPU (the GPU's cvt saturates)."""
+    return jnp.clip(v, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def check_fp8_row_scales(inv_scale, n: int, *, what: str):
+    """The per-row reciprocal scale operand of the FP8 dequant: float32 (N,)."""
+    if inv_scale.shape != (n,) or inv_scale.dtype != jnp.float32:
+        raise ValueError(f"{what}: `inv_scale` must be float32 of shape (N,) = ({n},) (448 / the "
+                         f"row's bound), got {inv_scale.dtype}{inv_scale.shape}")
+
+
+def dequantize_4bit_fp8_reference(packed, absmax, code, inv_scale, *, blocksize: int,
+                                  transpose: bool = False, interpret: bool = False):
+    """Oracle of the FP8 dequant: the fp32 weight code * absmax (as `dequantize_4bit_reference`),
+    times the row's reciprocal scale inv_scale[n] in fp32, clipped to +-448 and cast to
+    float8_e4m3fn; (N, K), or its transpose (K, N) with `transpose`. `interpret` is ignored."""
+    del interpret
+    what = "dequantize_4bit_fp8_reference"
+    n, k = check_4bit_operands(packed, absmax, code, blocksize, what=what)
+    check_fp8_row_scales(inv_scale, n, what=what)
+    w = dequantize_4bit_reference(packed, absmax, code, blocksize=blocksize, out_dtype=jnp.float32)
+    w8 = saturate_to_fp8(w * inv_scale[:, None])
+    return w8.T if transpose else w8

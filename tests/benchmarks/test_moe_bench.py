@@ -30,3 +30,38 @@ def test_tiny_transformers_peft_step():
     row = moe_bench.run_torch(moe_bench.config(tiny=True, layers=1), seq=16, steps=1, tiny=True)
     assert row["step_s"] > 0 and not row["oom"] and row["experts"] == "bf16"
     assert math.isfinite(row["loss"]) and 4.0 < row["loss"] < 7.0
+
+
+def _attention_lora_params(c: dict) -> int:
+    """LoRA parameters of q, k, v, o (r * (in + out) each) over the layers, from the shape."""
+    h, qf, kf = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    return c["num_hidden_layers"] * moe_bench.RANK * ((h + qf) + 2 * (h + kf) + (qf + h))
+
+
+def test_tiny_step_on_a_mesh_with_lora_on_attention_only():
+    """--mesh fsdp=2 on the suite's 2 forced CPU devices (tests/conftest.py), --target-modules on
+    attention: the library's step on one row per device, the LoRA the attention's alone."""
+    import jax
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs the suite's 2 forced host devices")
+    c = moe_bench.config(tiny=True, layers=1)
+    targets = moe_bench.parse_targets("q_proj,k_proj,v_proj,o_proj")
+    row = moe_bench.run_jax(c, seq=16, steps=1, tiny=True, mesh_spec="fsdp=2", targets=targets)
+    assert row["mesh"] == "fsdp=2" and row["devices"] == 2 and row["rows"] == 2
+    assert row["tokens_per_s"] == pytest.approx(2 * 16 / row["step_s"])
+    assert math.isfinite(row["loss"]) and 4.0 < row["loss"] < 7.0
+    assert len(row["resident_gib_per_device"]) == 2
+    assert row["lora_params"] == _attention_lora_params(c)
+    everything = moe_bench.run_jax(c, seq=16, steps=1, tiny=True)
+    assert everything["mesh"] is None and everything["lora_params"] > row["lora_params"]
+
+
+def test_target_modules_and_mesh_options_are_checked():
+    assert moe_bench.parse_targets("all-linear") == "all-linear"
+    assert moe_bench.torch_targets(["q_proj", "down_proj"]) == (["q_proj"], ["mlp.experts.down_proj"])
+    assert moe_bench.torch_targets("all-linear") == (moe_bench.ATTENTION, moe_bench.EXPERT_PARAMS)
+    for argv in (["--target-modules", "q_proj,mlp"], ["--mesh", "fsdp=two"], ["--mesh", "expert=2"]):
+        with pytest.raises(SystemExit) as e:
+            moe_bench.main(["--side", "jax", "--tiny", *argv])
+        assert e.value.code == 2, argv

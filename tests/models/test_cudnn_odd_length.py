@@ -33,10 +33,16 @@ def test_padding_to_even_length_changes_nothing(t):
         assert qp.shape[1] == t + 1 and mp.shape[-1] == t + 1
         return jax.nn.dot_product_attention(qp, kp, vp, mask=mp, is_causal=True, implementation="xla")[:, :t]
 
-    np.testing.assert_allclose(padded(q, k, v), direct(q, k, v), rtol=1e-6, atol=1e-6)
     c = jax.random.normal(jax.random.key(9), (2, t, 4, 16))
-    g_want = jax.grad(lambda *a: jnp.sum(direct(*a) * c), argnums=(0, 1, 2))(q, k, v)
-    g_got = jax.grad(lambda *a: jnp.sum(padded(*a) * c), argnums=(0, 1, 2))(q, k, v)
+
+    @jax.jit  # values and gradients jitted whole: one compile instead of one per eager op
+    def value_and_grads(q, k, v):
+        return {f.__name__: (f(q, k, v), jax.grad(lambda *a: jnp.sum(f(*a) * c), argnums=(0, 1, 2))(q, k, v))
+                for f in (direct, padded)}
+
+    out = value_and_grads(q, k, v)
+    (y_want, g_want), (y_got, g_got) = out["direct"], out["padded"]
+    np.testing.assert_allclose(y_got, y_want, rtol=1e-6, atol=1e-6)
     for got, want in zip(g_got, g_want):
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

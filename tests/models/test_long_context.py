@@ -55,11 +55,18 @@ def _layer_scans(jaxpr) -> list:
 
 
 # ------------------------------------------------------------------------------ numerics
+@pytest.fixture(scope="module")
+def no_remat_grads():
+    """Loss and LoRA gradients without remat (whole rows, no chunks), computed once for every
+    policy compared with it."""
+    return _grads(_model(LAYERS, remat=False), _loss_fn(_ids(2, 4 * CHUNK)))
+
+
 @pytest.mark.parametrize("policy", ["nothing_saveable", "offload_layer_inputs"])
-def test_chunked_full_remat_equals_no_remat(small_chunks, policy):
+def test_chunked_full_remat_equals_no_remat(small_chunks, no_remat_grads, policy):
     ids = _ids(2, 4 * CHUNK)
     assert remat.mlp_chunk_for(remat.REMAT_POLICIES[policy], ids.shape[1]) == CHUNK
-    l0, g0 = _grads(_model(LAYERS, remat=False), _loss_fn(ids))
+    l0, g0 = no_remat_grads
     l1, g1 = _grads(_model(LAYERS, remat=policy), _loss_fn(ids))
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
     leaves0, leaves1 = jax.tree.leaves(g0), jax.tree.leaves(g1)

@@ -40,7 +40,8 @@ def test_segment_runs_match_a_direct_scan(b, t, m, seed):
             seg[r, p:p + n] = rng.integers(0, 4)
             p += n
     lengths, offsets = pa.segment_runs(seg, m)
-    jl, jo = pa.segment_runs(jnp.asarray(seg), m)
+    # the jax path jitted whole: one compile per example instead of one per eager op
+    jl, jo = jax.jit(pa.segment_runs, static_argnums=1)(jnp.asarray(seg), m)
     np.testing.assert_array_equal(np.asarray(jl), lengths)
     np.testing.assert_array_equal(np.asarray(jo), offsets)
     assert lengths.shape == (b, m) and offsets.shape == (b, m + 1)
@@ -115,10 +116,14 @@ def test_packed_tables_give_the_mask_paths_loss_and_gradients(emulated_cudnn):
              "positions": np.where(seg > 0, np.arange(t) - starts, 0).astype(np.int32)}
     with_tables = SegmentTables().add(dict(batch))
 
+    @nnx.jit  # one compile per model and table width instead of one per eagerly dispatched op
+    def forward_and_grads(model, b):
+        (s, n), g = nnx.value_and_grad(lambda m: _forward_sums(m, b), has_aux=True,
+                                       argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        return s, n, g
+
     def sums_and_grads(model, b):
-        b = {k: jnp.asarray(v) for k, v in b.items()}
-        s, n = _forward_sums(model, b)
-        g = nnx.grad(lambda m: _forward_sums(m, b)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        s, n, g = forward_and_grads(model, {k: jnp.asarray(v) for k, v in b.items()})
         return float(s), float(n), jax.tree.leaves(g)
 
     s_ref, n_ref, g_ref = sums_and_grads(_model("einsum"), batch)

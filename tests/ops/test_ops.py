@@ -173,7 +173,8 @@ def test_check_grads_xla_backend(kind):
     a, b = _lora(24, 64, r=3)
     with jax.enable_x64(True):
         x = jax.random.normal(jax.random.key(7), (5, 64), jnp.float64)
-        f = lambda x, a, b: ops.qmatmul(x, qs[kind], lora=(a, b, 1.5), backend="xla")
+        # jitted: each of check_grads' evaluations is one compiled program, not one per eager op
+        f = jax.jit(lambda x, a, b: ops.qmatmul(x, qs[kind], lora=(a, b, 1.5), backend="xla"))
         check_grads(f, (x, a.astype(jnp.float64), b.astype(jnp.float64)), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
 
 

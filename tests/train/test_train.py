@@ -825,10 +825,13 @@ def test_unpacked_rows_need_no_segment_mask(attention):
         batch["positions"][row, n:] = 0
     unpacked = {k: v for k, v in batch.items() if k != "segment_ids"}
 
+    @nnx.jit  # one compile per batch layout instead of one per eagerly dispatched op
+    def forward_and_grads(m, b):
+        return nnx.value_and_grad(lambda m_: _forward_sums(m_, b), has_aux=True,
+                                  argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
+
     def sums_and_grads(b):
-        b = {k: jnp.asarray(v) for k, v in b.items()}
-        s, n = _forward_sums(model, b)
-        g = nnx.grad(lambda m: _forward_sums(m, b)[0], argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        (s, n), g = forward_and_grads(model, {k: jnp.asarray(v) for k, v in b.items()})
         return float(s), float(n), jax.tree.leaves(g)
 
     s_mask, n_mask, g_mask = sums_and_grads(batch)
@@ -886,9 +889,10 @@ def test_chunked_cross_entropy_equals_full_on_random_shapes(b, t, chunk, seed):
     def chunked(h_):
         return chunked_cross_entropy(lm, h_, targets, mask, chunk)
 
-    (s_f, n_f), (s_c, n_c) = full(h), chunked(h)
+    # each side and its gradient jitted whole: one compile per example instead of one per
+    # eagerly dispatched op of the scan and its transpose
+    (s_f, n_f), g_f = jax.jit(lambda x: (full(x), jax.grad(lambda y: full(y)[0])(x)))(h)
+    (s_c, n_c), g_c = jax.jit(lambda x: (chunked(x), jax.grad(lambda y: chunked(y)[0])(x)))(h)
     assert float(n_c) == float(n_f) == float(mask.sum())
     np.testing.assert_allclose(float(s_c), float(s_f), rtol=1e-5, atol=1e-5)
-    g_f = jax.grad(lambda x: full(x)[0])(h)
-    g_c = jax.grad(lambda x: chunked(x)[0])(h)
     np.testing.assert_allclose(np.asarray(g_c), np.asarray(g_f), rtol=1e-5, atol=1e-6)
