@@ -134,7 +134,7 @@ def bound_task(model, config, data, tokenizer, optimizer=None):
     (remat, state committed to its device), bound as the loop binds it; `optimizer`: share one."""
     from flax import nnx
 
-    from jqlora.train.loop import _prepare_one_device
+    from jqlora.train.loop import prepare_single_device_run
     from jqlora.train.objective_loop import make_task
     from jqlora.train.optim import make_optimizer
 
@@ -143,7 +143,7 @@ def bound_task(model, config, data, tokenizer, optimizer=None):
         tx = make_optimizer(config.lr, config.warmup, config.steps, config.weight_decay, config.b1, config.b2,
                             config.grad_clip, final_lr_ratio=config.final_lr_ratio, lr_schedule=config.lr_schedule)
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
-    _prepare_one_device(model, optimizer, config)
+    prepare_single_device_run(model, optimizer, config)
     model.train()
     task.bind(model, optimizer)
     return task, optimizer
@@ -179,6 +179,23 @@ def _peak_gib():
 def _median_index(totals: list[float]) -> int:
     """The index of the median step (the lower one of an even count)."""
     return int(np.argsort(totals, kind="stable")[(len(totals) - 1) // 2])
+
+
+def timed_steps(name: str, one, steps: int, parts: tuple, t0: float, warmup: str) -> tuple[dict, list, dict]:
+    """One untimed warm-up call of `one` (it compiles; `warmup` says what it runs), then `steps`
+    timed ones, each a record with "step_s", "loss" and "<part>_s" for each of `parts` (named in
+    its progress line): (the warm-up record, the timed records, the median one by step_s)."""
+    _note(f"{name}: warm-up step ({warmup}; compiles)", t0)
+    first = one()
+    _note(f"{name}: warm-up step {first['step_s']:.1f} s", t0)
+    records = []
+    for i in range(steps):
+        s = one()
+        records.append(s)
+        shares = ", ".join(f"{p} {s[f'{p}_s']:.2f}" for p in parts)
+        _note(f"{name}: step {i + 1}/{steps} {s['step_s']:.2f} s" + (f" ({shares})" if shares else "")
+              + f", loss {s['loss']:.4f}", t0)
+    return first, records, records[_median_index([s["step_s"] for s in records])]
 
 
 def run_grpo(model, a, vocab: int, t0: float) -> dict:
@@ -224,16 +241,8 @@ def run_grpo(model, a, vocab: int, t0: float) -> dict:
                 "scored_tokens": int(seen["batch"]["loss_mask"].sum())}
 
     rows = a.prompts * a.generations
-    _note(f"grpo: warm-up step ({rows} rows x {a.new_tokens} new tokens; compiles)", t0)
-    first = one()
-    _note(f"grpo: warm-up step {first['step_s']:.1f} s", t0)
-    steps = []
-    for i in range(a.steps):
-        steps.append(one())
-        s = steps[-1]
-        _note(f"grpo: step {i + 1}/{a.steps} {s['step_s']:.2f} s (rollout {s['rollout_s']:.2f}, "
-              f"update {s['update_s']:.2f}), loss {s['loss']:.4f}", t0)
-    med = steps[_median_index([s["step_s"] for s in steps])]
+    first, steps, med = timed_steps("grpo", one, a.steps, ("rollout", "update"), t0,
+                                    f"{rows} rows x {a.new_tokens} new tokens")
     parts = {k: round(med[f"{k}_s"], 4) for k in ("rollout", "reward", "update")}
     return {"objective": "grpo", "prompts": a.prompts, "generations": a.generations, "rows": rows,
             "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "grpo_beta": a.grpo_beta,
@@ -271,26 +280,18 @@ def run_dpo(model, a, vocab: int, t0: float) -> dict:
         return {"step_s": end - t, "reference_s": ref_s, "update_s": end - u, "loss": m["loss"],
                 "tokens": int(m["tokens"]), "accuracy": m["rewards/accuracies"]}
 
-    _note(f"dpo: warm-up step ({a.pairs} pairs x {a.pair_tokens} tokens; compiles)", t0)
-    first = one()
-    _note(f"dpo: warm-up step {first['step_s']:.1f} s", t0)
-    steps = []
-    for i in range(a.steps):
-        steps.append(one())
-        s = steps[-1]
-        _note(f"dpo: step {i + 1}/{a.steps} {s['step_s']:.2f} s (reference {s['reference_s']:.2f}), "
-              f"loss {s['loss']:.4f}", t0)
-    t = time.perf_counter()
-    default.step()
-    default_warmup = time.perf_counter() - t
-    _note(f"dpo: default step (reference inside the update), warm-up {default_warmup:.1f} s", t0)
-    default_times, default_losses = [], []
-    for _ in range(a.steps):
+    def one_default():
         t = time.perf_counter()
-        default_losses.append(default.step()["loss"])
-        default_times.append(time.perf_counter() - t)
-    med = steps[_median_index([s["step_s"] for s in steps])]
-    default_s = float(np.median(default_times))
+        loss = default.step()["loss"]
+        return {"step_s": time.perf_counter() - t, "loss": loss}
+
+    first, steps, med = timed_steps("dpo", one, a.steps, ("reference",), t0,
+                                    f"{a.pairs} pairs x {a.pair_tokens} tokens")
+    default_first, defaults, _ = timed_steps("dpo default", one_default, a.steps, (), t0,
+                                             "the reference inside the update")
+    default_warmup = default_first["step_s"]
+    default_losses = [s["loss"] for s in defaults]
+    default_s = float(np.median([s["step_s"] for s in defaults]))
     _note(f"dpo: default step {default_s:.2f} s", t0)
     return {"objective": "dpo", "pairs": a.pairs, "pair_tokens": a.pair_tokens, "rows": 2 * a.pairs,
             "dpo_loss": config.dpo_loss, "dpo_beta": config.dpo_beta, "steps": a.steps,
@@ -308,7 +309,7 @@ def run_dpo(model, a, vocab: int, t0: float) -> dict:
 def run(a) -> list[dict]:
     import jax
 
-    from benchmarks.rollout_bench import _commit, _randomize_lora_b
+    from benchmarks.rollout_bench import randomize_lora_b, short_commit
     from benchmarks.run import device_name, versions
     from benchmarks.train_bench import build_jax, frozen_formats, hf_config
     from jqlora._util import default_compute_dtype, resolve_attention
@@ -319,13 +320,13 @@ def run(a) -> list[dict]:
     _note(f"{dtype}, attention {attention} ({why}); building the {a.shape} model", t0)
     model, _, _ = build_jax(a.shape, 128, "auto", attention, remat=False, lora=True, weights=a.weights,
                             compute_dtype=dtype)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     build_s = time.perf_counter() - t0
     vocab = int(hf_config(a.shape)["vocab_size"])
     common = {"shape": a.shape, "weights": a.weights, "frozen_formats": frozen_formats(model), "lora_rank": 16,
               "compute_dtype": dtype, "attention": attention, "remat": a.remat, "build_s": round(build_s, 1),
               "device": device_name(), "platform": jax.default_backend(),
-              "date": datetime.date.today().isoformat(), "commit": _commit(), "versions": versions()}
+              "date": datetime.date.today().isoformat(), "commit": short_commit(), "versions": versions()}
     recs = []
     for objective in (("grpo", "dpo") if a.objective == "both" else (a.objective,)):
         with RematLog() as remat:

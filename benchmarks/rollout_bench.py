@@ -33,7 +33,8 @@ import sys
 import time
 
 
-def _commit() -> str:
+def short_commit() -> str:
+    """The checkout's HEAD as a short hash, "unknown" outside a git checkout."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
@@ -41,7 +42,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def _randomize_lora_b(model, seed: int = 0) -> None:
+def randomize_lora_b(model, seed: int = 0) -> None:
     """LoRA B = N(0, 0.01) everywhere (fresh adapters have B = 0: the products would still run,
     but an adapter that changes nothing would hide a wrong branch from the generated tokens)."""
     import jax
@@ -75,7 +76,7 @@ def run(shape: str, batch: int, new_tokens: int, lo: int, hi: int, cases: list, 
 
     t0 = time.perf_counter()
     model, _, _ = build_jax(shape, 128, "auto", "einsum", remat=False, lora=True)
-    _randomize_lora_b(model)
+    randomize_lora_b(model)
     build_s = time.perf_counter() - t0
     vocab = int(hf_config(shape)["vocab_size"])
     prompts = prompts_for(batch, lo, hi, vocab)
@@ -116,7 +117,7 @@ def run(shape: str, batch: int, new_tokens: int, lo: int, hi: int, cases: list, 
             "mean_length": round(float(np.mean(r.lengths)), 1), "finished_rows": int(r.finished.sum()),
             "compile_s": round(compile_s, 2), "build_s": round(build_s, 1), "programs": rollout.compiled_programs(),
             "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax": jax.__version__,
-            "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": short_commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         })
     if profile:
         recs.append(_profile(model, lambda: call(new_tokens, stops["none"])[1]))

@@ -1,8 +1,8 @@
 """Llama-family causal LMs (Llama 2/3, Mistral, Qwen2, Qwen3) in Flax NNX over frozen quantized weights.
 
 The names below are the public API; the layers (``Attention``, ``DecoderLayer``, ``MLP``, ...) and
-helpers stay importable from :mod:`jqlora.models.llama`, :mod:`~jqlora.models.config` and
-:mod:`~jqlora.models.generate`.
+helpers stay importable from :mod:`jqlora.models.llama`, :mod:`~jqlora.models.attention` (RoPE,
+masks, the attention implementations), :mod:`~jqlora.models.config` and :mod:`~jqlora.models.generate`.
 """
 from jqlora.models.build import from_params, init_params
 from jqlora.models.cache import KVCache

@@ -7,9 +7,8 @@ Module tree names equal the HF module names (`model.layers.0.self_attn.q_proj`,
 `lora_params_by_module` and the loader map 1:1 onto checkpoint and PEFT keys.
 
 Numerics follow transformers: RMSNorm in float32 (Llama: weight applied after casting back; Gemma:
-(1 + weight) applied in float32, then cast), RoPE cos/sin computed in float32 and cast to the
-compute dtype (rotate_half convention), attention scores accumulated in float32 with a float32
-softmax (Gemma 2: soft-capped before the mask), gated MLP (SwiGLU, or GeGLU for Gemma). Every tensor read from the
+(1 + weight) applied in float32, then cast), gated MLP (SwiGLU, or GeGLU for Gemma); RoPE, masks
+and the attention itself are `jqlora.models.attention`'s. Every tensor read from the
 checkpoint is frozen (`FrozenParam` / `QuantizedBase`); only LoRA matrices are `nnx.Param`s.
 The modules take their tensors from a source (`jqlora.models.build`: `from_params` builds a model
 from a dict of arrays); this file knows no files.
@@ -21,27 +20,22 @@ from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jqlora import ops as _ops
 from jqlora.errors import SettingError
 from jqlora.ops import sharding
-from jqlora import quant
 from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
 from jqlora.lora.stacked import LayerStack, StackedLayers
 import jqlora.models.packed_attention as packed_attention
 import jqlora.models.moe as moe
+from jqlora.models.attention import (ATTENTION_IMPLS, apply_rope, attend, ring_attend, rope_cos_sin,
+                                     segment_positions, softcap)
 from jqlora.models.cache import KVCache
-from jqlora.models.config import ModelConfig, longrope_switch, rope_attention_scaling, rope_inv_freq
+from jqlora.models.config import ModelConfig
 from jqlora.models.remat import (LAYER_INPUT, REMAT_POLICIES, mlp_chunk_for, remat_plan, resolve_remat,
                                  state_bytes)
-
-
-_MASK_VALUE = float(np.finfo(np.float32).min)
-
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 
 
 def _activation(name: str) -> Callable:
@@ -94,62 +88,6 @@ class Embedding(nnx.Module):
         return _ops.qmatmul(x, self.weight[...], compute_dtype=dtype, backend="auto")
 
 
-def rotate_half(x):
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([-x2, x1], axis=-1)
-
-
-def rope_cos_sin(config: ModelConfig, positions: jax.Array, dtype, per_row: bool = False):
-    """cos, sin of shape (B, T, rotary_dim) for integer positions (B, T); fp32 math, then dtype.
-    LongRoPE (Phi-3) takes its long table when the call's largest position + 1 exceeds
-    original_max_position_embeddings, as transformers decides per forward call; per_row: each
-    row decides by its own largest position (each row as if it ran alone)."""
-    inv = jnp.asarray(rope_inv_freq(config))
-    switch = longrope_switch(config)
-    if switch is not None:
-        top = jnp.max(positions, axis=-1, keepdims=True)[..., None] if per_row else jnp.max(positions)
-        inv = jnp.where(top + 1 > switch, jnp.asarray(rope_inv_freq(config, long=True)), inv)
-    freqs = positions.astype(jnp.float32)[..., None] * inv  # (B, T, D/2)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    s = rope_attention_scaling(config)
-    return (jnp.cos(emb) * s).astype(dtype), (jnp.sin(emb) * s).astype(dtype)
-
-
-def apply_rope(x, cos, sin):
-    """x * cos + rotate_half(x) * sin on the first cos.shape[-1] features of x (all of them unless
-    the rotary is partial, Phi-4-mini); the rest pass unchanged."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    xr = x[..., :rd]
-    return jnp.concatenate([xr * cos + rotate_half(xr) * sin, x[..., rd:]], axis=-1)
-
-
-def segment_positions(segment_ids: jax.Array) -> jax.Array:
-    """Position of each token inside its (contiguous) segment: 0, 1, ... restarting per segment."""
-    t = segment_ids.shape[-1]
-    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
-    starts = jnp.concatenate(
-        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
-    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=segment_ids.ndim - 1)
-    return idx - start_idx
-
-
-def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
-    """cap * tanh(x / cap) (Gemma 2's attention and final-logit soft-capping); x when cap is None."""
-    return x if cap is None else jnp.tanh(x / cap) * cap
-
-
-def attention_mask(q_slots, k_slots, q_seg, k_seg, window: Optional[int]):
-    """Boolean (B, T, S): causal by slot, same nonzero segment, inside the sliding window."""
-    qs = q_slots[:, :, None]
-    ks = k_slots[:, None, :]
-    m = (ks <= qs) & (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] != 0)
-    if window is not None:
-        m = m & (qs - ks < window)
-    return m
-
-
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, linears: Mapping[str, QLoRALinear], norms: Mapping[str, Any],
                  window: Optional[int]):
@@ -168,6 +106,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, runs=None, kv_cache=None, index=None,
                  impl: str = "einsum", plain_causal: bool = False):
+        """-> (output (B, T, hidden), the updated cache arrays or None). Cached decoding always
+        takes the einsum path."""
         cfg = self.config
         b, t, _ = x.shape
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -195,89 +135,10 @@ class Attention(nnx.Module):
             new_kv = (ck, cv)
             k = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(x.dtype)
             v = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(x.dtype)
-        if impl != "einsum" and kv_cache is None:
-            return self.o_proj(self._fused(q, k, v, q_slots, k_slots, q_seg, k_seg, runs, impl, plain_causal)), None
-        g = h // kvh
-        qg = q.reshape(b, t, kvh, g, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-        scores = softcap(scores * jnp.float32(cfg.attn_scale), cfg.attn_softcap)
-        mask = attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None, None]
-        scores = jnp.where(mask, scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * d)
+        out = attend(q, k, v, q_slots, k_slots, q_seg, k_seg, scale=cfg.attn_scale, cap=cfg.attn_softcap,
+                     window=self.window, dtype=x.dtype, impl="einsum" if kv_cache is not None else impl,
+                     plain_causal=plain_causal, runs=runs)
         return self.o_proj(out), new_kv
-
-    def _fused(self, q, k, v, q_slots, k_slots, q_seg, k_seg, runs, impl, plain_causal):
-        """jax.nn.dot_product_attention: cuDNN flash attention on a GPU ("cudnn"), or its XLA
-        version ("xla"), which tests use to check this wiring on CPU. Without packing, a plain
-        causal mask (nothing materialized); with packing, the same boolean mask as the einsum path.
-        Query head n uses kv head n // (heads / kv_heads), like HF's repeat_kv.
-
-        is_causal is set in both cases: that mask is causal already (same segment and key slot <=
-        query slot), and the flag lets cuDNN skip the key tiles above the diagonal, which it
-        would otherwise compute and then mask. With `runs` (cuDNN, packed rows, no sliding
-        window shorter than the row) there is no mask at all: `packed_attention`."""
-        b, t, h, d = q.shape
-        if self.config.attn_softcap is not None:  # CausalLM refuses this at build time; a guard
-            raise ValueError(f"attention {impl!r} has no soft-capping; this model needs attention='einsum'")
-        scale = self.config.attn_scale
-        if runs is not None and (self.window is None or self.window >= t):
-            out = packed_attention.packed_causal_attention(q, k, v, q_seg, runs, scale=scale)
-            return out.reshape(b, t, h * d)
-        window = None if self.window is None else (self.window - 1, 0)
-        mask = None if plain_causal else attention_mask(q_slots, k_slots, q_seg, k_seg, self.window)[:, None]
-        if impl == "cudnn" and t % 2 == 1 and k.shape[1] == t:  # cuDNN's backward refuses an odd length
-            q, k, v, mask = pad_to_even_length(q, k, v, mask)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
-                                           local_window_size=window if plain_causal else None,
-                                           implementation=impl)
-        return out[:, :t].reshape(b, t, h * d)
-
-
-def pad_to_even_length(q, k, v, mask):
-    """q, k, v (B, T, ., d) and a boolean mask (B, 1, T, T) or None (causal only) with one slot
-    more (T + 1), sliced off after: the added key comes after every real query (causal) and is
-    masked for it; the added query sees its own key at least (a row with no key would give NaN,
-    and NaN times a zero cotangent is still NaN in backward)."""
-    pad = lambda a: jnp.pad(a, ((0, 0), (0, 1)) + ((0, 0),) * (a.ndim - 2))  # noqa: E731
-    if mask is not None:
-        t = q.shape[1]
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, 1), (0, 1))).at[:, :, t, t].set(True)
-    return pad(q), pad(k), pad(v), mask
-
-
-def ring_attend(k, v, ck, cv, layer, index, k_seg):
-    """A sliding-window layer's cached keys and values in a ring buffer (`KVCache.ring_k`).
-
-    k, v: this call's T new entries (B, T, kvh, d) at slots [index, index + T); ck, cv: (rings, B,
-    R, kvh, d), ring entry j of row `layer` holding the latest slot s < index with s = j mod R;
-    k_seg: (B, max_len) segment of every slot (this call's included). Returns the keys and values
-    the new queries attend (the R ring entries as they were, then the T new ones: a prefill longer
-    than the ring sees all of its own tokens), their slots (B, R + T) and segments (B, R + T) for
-    `attention_mask` (an entry never written has segment 0), and the ring arrays with the last
-    min(T, R) new entries written at their slots mod R."""
-    b, t = k.shape[:2]
-    r = ck.shape[2]
-    idx = jnp.asarray(index, jnp.int32)
-    held = idx - 1 - jnp.mod(idx - 1 - jnp.arange(r, dtype=jnp.int32), r)  # the slot in each entry; < 0: none
-    held_seg = jnp.where(held >= 0, jnp.take(k_seg, jnp.maximum(held, 0), axis=1), 0)
-    slots = jnp.concatenate([held, idx + jnp.arange(t, dtype=jnp.int32)])
-    segs = jnp.concatenate([held_seg, jax.lax.dynamic_slice_in_dim(k_seg, idx, t, axis=1)], axis=1)
-    rk = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False)
-    rv = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False)
-    keys = jnp.concatenate([rk, k.astype(ck.dtype)], axis=1)
-    values = jnp.concatenate([rv, v.astype(cv.dtype)], axis=1)
-    if t == 1:  # decoding: one entry, written in place
-        zero = jnp.zeros((), jnp.int32)
-        at = (layer, zero, jnp.mod(idx, r), zero, zero)
-        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], at)
-        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], at)
-    else:
-        m = min(t, r)
-        pos = jnp.mod(idx + (t - m) + jnp.arange(m, dtype=jnp.int32), r)
-        ck = ck.at[layer, :, pos].set(jnp.moveaxis(k[:, t - m:], 1, 0).astype(ck.dtype))
-        cv = cv.at[layer, :, pos].set(jnp.moveaxis(v[:, t - m:], 1, 0).astype(cv.dtype))
-    return keys, values, jnp.broadcast_to(slots, (b, r + t)), segs, (ck, cv)
 
 
 class MLP(nnx.Module):

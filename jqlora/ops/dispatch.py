@@ -237,13 +237,16 @@ def _kernel_shape_problem(w: _Weight) -> str | None:
     return None
 
 
-def _walk(kind: str, product: str, w: _Weight, m: int, device: Device, dtype: str | None,
-          auto: bool, variants: dict) -> tuple[Rule | None, list, BackendError | None]:
-    """The first matching row of RULES for one product, a verdict for every row read, and the
-    error to raise when no row matched."""
-    n, k = w.shape[0], w.shape[-1]
+def walk_rules(rules, kind: str, product: str, m: int, n: int, k: int, blocksize: int, device: Device,
+               dtype: str | None, auto: bool, variants: dict, *, interpret: bool = False) -> tuple:
+    """One product's walk down a rule table (`RULES`, or `grouped_dispatch.GROUPED_RULES`): the
+    first row for (kind, product) whose requirement holds, whose M range contains m and whose
+    variant's supports(m, n, k, blocksize) accepts the shape; a (product, variant, verdict) for
+    every row read; and the last row whose variant declined the shape (None if none).
+    interpret: pass over variants that have no interpret mode (grouped dispatch does; `_resolve`
+    chooses them and refuses them afterwards, `check_runs_here`)."""
     chosen, verdicts, declined = None, [], None
-    for rule in RULES:
+    for rule in rules:
         if (rule.weight, rule.product) != (kind, product):
             continue
         name = rule.variant or "xla"
@@ -253,13 +256,24 @@ def _walk(kind: str, product: str, w: _Weight, m: int, device: Device, dtype: st
             verdicts.append((product, name, f"needs {rule.requires}"))
         elif not rule.covers(m):
             verdicts.append((product, name, f"M={m} outside {rule.m_text}"))
-        elif rule.variant is not None and not _variant(variants, rule.variant).supports(m, n, k, w.blocksize):
-            verdicts.append((product, name, f"supports() declines M={m}, N={n}, K={k}, "
-                                            f"blocksize={w.blocksize}"))
+        elif rule.variant is not None and not _variant(variants, rule.variant).supports(m, n, k, blocksize):
+            verdicts.append((product, name, f"supports() declines M={m}, N={n}, K={k}, blocksize={blocksize}"))
             declined = rule
+        elif rule.variant is not None and interpret and not _variant(variants, rule.variant).interpret:
+            verdicts.append((product, name, "no interpret mode"))
         else:
             verdicts.append((product, name, "chosen"))
             chosen = rule
+    return chosen, verdicts, declined
+
+
+def _walk(kind: str, product: str, w: _Weight, m: int, device: Device, dtype: str | None,
+          auto: bool, variants: dict) -> tuple[Rule | None, list, BackendError | None]:
+    """The first matching row of RULES for one product, a verdict for every row read, and the
+    error to raise when no row matched."""
+    n, k = w.shape[0], w.shape[-1]
+    chosen, verdicts, declined = walk_rules(RULES, kind, product, m, n, k, w.blocksize, device, dtype, auto,
+                                            variants)
     error = None
     if chosen is None and declined is not None:  # the kernel for this M does not take the shape
         error = BackendError(f"kernel variant {declined.variant!r} does not support M={m}, N={n}, "
@@ -402,11 +416,17 @@ def explain(weight: str, m: int, n: int, k: int, *, blocksize: int = 64, dtype="
                     dtype=dtype, device=device, query=query)
 
 
-def markdown_table() -> str:
-    """RULES as the markdown table docs/kernels.md embeds."""
-    lines = ["| # | weight | product | requires | M | variant | why |",
+def rules_markdown(rules, kind_header: str) -> str:
+    """A rule table (`RULES` or `grouped_dispatch.GROUPED_RULES`) as markdown, its weight column
+    headed `kind_header`."""
+    lines = [f"| # | {kind_header} | product | requires | M | variant | why |",
              "|---|---|---|---|---|---|---|"]
-    for i, r in enumerate(RULES, 1):
+    for i, r in enumerate(rules, 1):
         variant = f"`{r.variant}`" if r.variant else "xla (jnp reference)"
         lines.append(f"| {i} | {r.weight} | {r.product} | {r.requires} | {r.m_text} | {variant} | {r.why} |")
     return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """RULES as the markdown table docs/kernels.md embeds."""
+    return rules_markdown(RULES, "weight")

@@ -1,13 +1,14 @@
 """Which implementation computes a grouped product (`jqlora.ops.qgmm`, mixture-of-experts layers).
 
-A table of its own, `GROUPED_RULES`, read as `jqlora.ops.dispatch` reads `RULES`: a row names an
-expert-stack format ("4bit", "int8", "dense"), a product ("fwd": y = x @ W_e.T per group, "bwd":
-dx = dy @ W_e), a requirement (`dispatch.REQUIREMENTS`), an M range (all rows of the sorted
-activation) and a grouped variant from `pallas_kernels.registry.grouped_variants()` (None: the jnp
-reference, dequantize + `jax.lax.ragged_dot_general`). Kernels of op "grouped_matmul[_t]" take the
-expert stack dequantized to x's dtype by a transient jnp pass; those of op
-"grouped_matmul_4bit[_t]" decode the packed 4-bit stack themselves. The plan, the device, the
-explanation and the backend error are dispatch's, so both products read alike in `explain-kernel`.
+A table of its own, `GROUPED_RULES`, read as `jqlora.ops.dispatch` reads `RULES` (both by
+`dispatch.walk_rules`): a row names an expert-stack format ("4bit", "int8", "dense"), a product
+("fwd": y = x @ W_e.T per group, "bwd": dx = dy @ W_e), a requirement (`dispatch.REQUIREMENTS`), an
+M range (all rows of the sorted activation) and a grouped variant from
+`pallas_kernels.registry.grouped_variants()` (None: the jnp reference, dequantize +
+`jax.lax.ragged_dot_general`). Kernels of op "grouped_matmul[_t]" take the expert stack dequantized
+to x's dtype by a transient jnp pass; those of op "grouped_matmul_4bit[_t]" decode the packed 4-bit
+stack themselves. The plan, the device, the explanation and the backend error are dispatch's, so
+both products read alike in `explain-kernel`.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jqlora.ops.dispatch import (BACKENDS, PRODUCTS, REQUIREMENTS, BackendError, Device, Explanation, Plan, Rule,
-                                 check_runs_here, requirement_holds)
+                                 check_runs_here, rules_markdown, walk_rules)
 
 GROUPED_KINDS = ("4bit", "int8", "dense")
 
@@ -91,30 +92,6 @@ def _grouped_variants() -> dict:
     return {v.name: v for v in registry.grouped_variants()}
 
 
-def _walk_grouped(product: str, w: _Experts, m: int, device: Device, dtype: str | None, auto: bool,
-                  interpret: bool, variants: dict) -> tuple[GroupedRule | None, list]:
-    e, n, k = w.shape
-    chosen, verdicts = None, []
-    for rule in GROUPED_RULES:
-        if (rule.weight, rule.product) != (w.kind, product):
-            continue
-        name = rule.variant or "xla"
-        if chosen is not None:
-            verdicts.append((product, name, "an earlier row matched"))
-        elif not requirement_holds(rule.requires, device, dtype, auto):
-            verdicts.append((product, name, f"needs {rule.requires}"))
-        elif not rule.covers(m):
-            verdicts.append((product, name, f"M={m} outside {rule.m_text}"))
-        elif rule.variant is not None and not variants[rule.variant].supports(m, n, k, w.blocksize):
-            verdicts.append((product, name, f"supports() declines M={m}, N={n}, K={k}, blocksize={w.blocksize}"))
-        elif rule.variant is not None and interpret and not variants[rule.variant].interpret:
-            verdicts.append((product, name, "no interpret mode"))
-        else:
-            verdicts.append((product, name, "chosen"))
-            chosen = rule
-    return chosen, verdicts
-
-
 def _resolve_grouped(w: _Experts, m: int, backend: str, *, variant: str | None, dtype: str | None,
                      device: Device | None, query: str = "") -> Explanation:
     """The one decision path behind `choose_grouped_plan` and `explain_grouped`."""
@@ -131,6 +108,7 @@ def _resolve_grouped(w: _Experts, m: int, backend: str, *, variant: str | None, 
     if backend == "pallas" and device.platform != "gpu":
         raise BackendError("backend 'pallas' needs a GPU; use 'interpret' to run the kernels on CPU, or 'xla'")
     variants = _grouped_variants()
+    _, n, k = w.shape
     plan = {}
     rows = []
     for product in PRODUCTS:
@@ -138,7 +116,6 @@ def _resolve_grouped(w: _Experts, m: int, backend: str, *, variant: str | None, 
             v = variants.get(variant)
             if v is None:
                 raise BackendError(f"no grouped kernel variant named {variant!r}; known: {sorted(variants)}")
-            e, n, k = w.shape
             if not v.op.startswith("grouped_matmul") or v.op.endswith("_t"):
                 raise BackendError(f"grouped kernel variant {variant!r} implements {v.op!r}, not a forward product")
             if v.op == "grouped_matmul_4bit" and w.kind != "4bit":
@@ -149,7 +126,8 @@ def _resolve_grouped(w: _Experts, m: int, backend: str, *, variant: str | None, 
             plan[product] = variant
             rows.append(("fwd", variant, "chosen (variant=)"))
             continue
-        rule, verdicts = _walk_grouped(product, w, m, device, dtype, auto, backend == "interpret", variants)
+        rule, verdicts, _ = walk_rules(GROUPED_RULES, w.kind, product, m, n, k, w.blocksize, device, dtype, auto,
+                                       variants, interpret=backend == "interpret")
         rows += verdicts
         if rule is None:
             raise BackendError(f"no grouped dispatch rule for a {w.kind} {product} product at M={m} "
@@ -199,9 +177,4 @@ def explain_grouped(weight: str, m: int, n: int, k: int, experts: int, *, blocks
 
 def grouped_markdown_table() -> str:
     """GROUPED_RULES as the markdown table docs/kernels.md embeds."""
-    lines = ["| # | experts | product | requires | M | variant | why |",
-             "|---|---|---|---|---|---|---|"]
-    for i, r in enumerate(GROUPED_RULES, 1):
-        variant = f"`{r.variant}`" if r.variant else "xla (jnp reference)"
-        lines.append(f"| {i} | {r.weight} | {r.product} | {r.requires} | {r.m_text} | {variant} | {r.why} |")
-    return "\n".join(lines)
+    return rules_markdown(GROUPED_RULES, "experts")

@@ -204,7 +204,7 @@ def _apply_remat(model, remat) -> None:
                   "mutable config.remat field: training without rematerialization", stacklevel=3)
 
 
-def _prepare_one_device(model, optimizer, config) -> None:
+def prepare_single_device_run(model, optimizer, config) -> None:
     """A run's set-up on one device once its checkpoint is restored (the objectives' loop)."""
     _remove_stale_temp(Path(config.out_dir))
     _apply_remat(model, config.remat)
@@ -309,7 +309,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
         return train_objective(model, config, make_task, data=data, tokenizer=tokenizer,
                                eval_data=eval_data, on_step=on_step, resume=resume, on_ready=on_ready,
                                result_type=TrainResult, non_finite_error=NonFiniteLossError,
-                               prepare=_prepare_one_device)
+                               prepare=prepare_single_device_run)
     out_dir = Path(config.out_dir)
     ckpt_dir = out_dir / CKPT_DIR
 

@@ -63,16 +63,22 @@ def dequantize_int8_vectorwise_reference(cb, scb, dtype=jnp.float32):
     return w.astype(dtype)
 
 
+def _dequantized_product(a, cb, scb, dims, out_dtype):
+    """a times W = dequantize_int8_reference(cb, scb, a.dtype), contracted by `dims` (_NT:
+    a @ W.T, _NN: a @ W), fp32 accumulation, then out_dtype (None: a's dtype)."""
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    w = dequantize_int8_reference(cb, scb, a.dtype)
+    y = lax.dot_general(a, w, dims, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def matmul_int8_reference(x, cb, scb, *, out_dtype=None, interpret=False):
     """Oracle of `int8_weight_only`: x @ dequantize_int8_reference(cb, scb, x.dtype).T, fp32
     accumulation."""
     del interpret
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    w = dequantize_int8_reference(cb, scb, x.dtype)
-    y = lax.dot_general(x, w, _NT, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
+    return _dequantized_product(x, cb, scb, _NT, out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
@@ -80,11 +86,7 @@ def matmul_int8_t_reference(dy, cb, scb, *, out_dtype=None, interpret=False):
     """Oracle of the int8 backward product: dy @ dequantize_int8_reference(cb, scb, dy.dtype),
     fp32 accumulation."""
     del interpret
-    out_dtype = dy.dtype if out_dtype is None else out_dtype
-    w = dequantize_int8_reference(cb, scb, dy.dtype)
-    y = lax.dot_general(dy, w, _NN, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
+    return _dequantized_product(dy, cb, scb, _NN, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """cuDNN's attention refuses an odd sequence length in training (jax 0.11 with or without a mask;
 GRPO's rows are prompt + completion - 1 slots, DPO's a user's seq_len): the fused path pads one
 masked slot and slices it off. CPU: the padding through XLA's attention equals the unpadded call, values and gradients, and
-the cuDNN branch of `Attention._fused` hands cuDNN an even length (its call stubbed by XLA's)."""
+the cuDNN branch of `attention.fused_attention` hands cuDNN an even length (its call stubbed by XLA's)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jqlora.models import llama
+from jqlora.models import attention
 
 
 def _inputs(t, seed=0):
@@ -17,7 +17,7 @@ def _inputs(t, seed=0):
     v = jax.random.normal(ks[2], (2, t, 2, 16), jnp.float32)
     slots = jnp.broadcast_to(jnp.arange(t), (2, t))
     seg = jnp.asarray([[1] * t, [1] * (t - 3) + [2] * 3])  # the second row: two documents
-    mask = llama.attention_mask(slots, slots, seg, seg, None)[:, None]
+    mask = attention.attention_mask(slots, slots, seg, seg, None)[:, None]
     return q, k, v, mask
 
 
@@ -29,7 +29,7 @@ def test_padding_to_even_length_changes_nothing(t):
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
 
     def padded(q, k, v):
-        qp, kp, vp, mp = llama.pad_to_even_length(q, k, v, mask)
+        qp, kp, vp, mp = attention.pad_to_even_length(q, k, v, mask)
         assert qp.shape[1] == t + 1 and mp.shape[-1] == t + 1
         return jax.nn.dot_product_attention(qp, kp, vp, mask=mp, is_causal=True, implementation="xla")[:, :t]
 
@@ -59,17 +59,18 @@ def test_the_cudnn_branch_pads_odd_lengths(monkeypatch):
             raise NotImplementedError(f"Unsupported sequence length Q {q.shape[1]}")  # what cuDNN says
         return real(q, k, v, mask=mask, implementation="xla", **kw)
 
-    monkeypatch.setattr(llama.jax.nn, "dot_product_attention", fake_cudnn)
+    monkeypatch.setattr(attention.jax.nn, "dot_product_attention", fake_cudnn)
     t = 7
     q, k, v, mask = _inputs(t)
     slots = jnp.broadcast_to(jnp.arange(t), (2, t))
     seg = jnp.asarray([[1] * t, [1] * (t - 3) + [2] * 3])
-    attn = type("A", (), {"config": type("C", (), {"attn_softcap": None, "attn_scale": 0.25})(), "window": None})()
-    out = llama.Attention._fused(attn, q, k, v, slots, slots, seg, seg, None, "cudnn", plain_causal=False)
+    fused = lambda plain_causal: attention.fused_attention(  # noqa: E731
+        q, k, v, slots, slots, seg, seg, scale=0.25, cap=None, window=None, impl="cudnn", plain_causal=plain_causal)
+    out = fused(False)
     want = real(q, k, v, mask=mask, is_causal=True, scale=0.25, implementation="xla")
     assert seen == [t + 1]
     np.testing.assert_allclose(out, want.reshape(2, t, -1), rtol=1e-6, atol=1e-6)
-    out = llama.Attention._fused(attn, q, k, v, slots, slots, seg, seg, None, "cudnn", plain_causal=True)
+    out = fused(True)
     want = real(q, k, v, is_causal=True, scale=0.25, implementation="xla")
     assert seen == [t + 1, t + 1]
     np.testing.assert_allclose(out, want.reshape(2, t, -1), rtol=1e-6, atol=1e-6)

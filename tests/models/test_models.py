@@ -13,7 +13,7 @@ from jqlora import lora, models, quant
 from jqlora.models import ModelConfig, packed_attention
 from jqlora.models.config import rope_inv_freq
 from jqlora.models.generate import sample_token
-from jqlora.models.llama import segment_positions
+from jqlora.models.attention import segment_positions
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

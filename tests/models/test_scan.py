@@ -9,7 +9,7 @@ from flax import nnx
 from jqlora import lora, models, quant
 from jqlora.lora.stacked import stacked_view
 from jqlora.models.generate import _generate, generate
-from jqlora.models.llama import rope_cos_sin
+from jqlora.models.attention import rope_cos_sin
 
 try:  # public in newer jax; jax.ad_checkpoint.print_saved_residuals prints the same list
     from jax.ad_checkpoint import saved_residuals
