@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.timing import time_steps
+
 # The text config of google/gemma-3-12b-pt / -it. Sources: transformers' Gemma 3 conversion script
 # (src/transformers/models/gemma3/convert_gemma3_weights.py, `_VARIANT_GEMMA_3_12B`: hidden 30 * 128,
 # MLP 4 x hidden, 16 heads / 8 KV heads of 256, 48 layers, window 1024, linear RoPE factor 8 on the
@@ -99,7 +101,6 @@ def run_jax(c: dict, seq: int, steps: int, tiny: bool, attention: str = "auto") 
     """jqlora's own training step (`jqlora.train.step.train_step`: chunked loss, remat per layer)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from benchmarks.train_bench import make_batch
@@ -119,15 +120,7 @@ def run_jax(c: dict, seq: int, steps: int, tiny: bool, attention: str = "auto") 
     batch = make_batch(c["vocab_size"], 1, seq)
     del batch["segment_ids"]  # one unpacked sequence, as the torch side runs
     run = train_step.bind(model, opt)
-    t1 = time.perf_counter()
-    loss = float(run(batch)["loss"])
-    first = time.perf_counter() - t1
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        loss = float(run(batch)["loss"])
-        times.append(time.perf_counter() - t)
-    step_s = float(np.median(times))
+    first, step_s, loss = time_steps(lambda: float(run(batch)["loss"]), steps)
     return {"side": "jqlora", "step_s": step_s, "tokens_per_s": seq / step_s, "peak_gib": _peak_gib(),
             "loss": loss, "build_s": build_s, "first_step_s": first, "attention": impl,
             "layers": c["num_hidden_layers"], "device": jax.devices()[0].device_kind}

@@ -38,6 +38,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.timing import time_steps
+
 QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
@@ -199,15 +201,7 @@ def _steps_on_mesh(model, c: dict, seq: int, steps: int, mesh_spec: str) -> dict
         parallel.place_state(model, opt, mesh)
         run = sharding.with_mesh(mesh, train_step.bind(model, opt))
         batch = parallel.shard_batch(batch, mesh)
-    t0 = time.perf_counter()
-    loss = float(run(batch)["loss"])
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        loss = float(run(batch)["loss"])
-        times.append(time.perf_counter() - t)
-    step_s = float(np.median(times))
+    first, step_s, loss = time_steps(lambda: float(run(batch)["loss"]), steps)
     local = mesh.local_devices if mesh is not None else jax.devices()[:1]
     stat = lambda d, k: (d.memory_stats() or {}).get(k, 0) / 2**30  # noqa: E731
     return {"mesh": mesh_spec, "devices": devices, "rows": devices, "step_s": step_s,

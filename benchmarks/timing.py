@@ -1,4 +1,5 @@
-"""Device-time measurement: kernel time summed per call, launch and Python overhead left out.
+"""Device-time measurement: kernel time summed per call, launch and Python overhead left out;
+and the wall-clock loop the step benchmarks share.
 
 JAX: CUPTI through `jax.experimental.mosaic.gpu.profiler.measure` (per-iteration sums of kernel
 times). torch: `torch.profiler` kernel times. Both sides get the same treatment: each call runs
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -84,3 +86,18 @@ def torch_device_ms(fn, iterations: int = 20) -> float:
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             total_us += evt.time_range.elapsed_us()
     return total_us / 1e3 / iterations
+
+
+def time_steps(step: Callable[[], float], steps: int) -> tuple[float, float, float]:
+    """Wall clock of a training step: `step()` runs one step and returns its loss as a Python float
+    (so it waits for the device). Returns (the first call's seconds, which include the compile;
+    the median seconds of `steps` further calls; the last loss)."""
+    t = time.perf_counter()
+    loss = step()
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t)
+    return first, float(statistics.median(times)), loss

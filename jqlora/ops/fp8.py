@@ -32,7 +32,8 @@ from jqlora.quant import Weight4bit, absmax_f32, dequantize
 from pallas_kernels.reference.fourbit import FP8_MAX, saturate_to_fp8
 
 # Fewest rows (per device) an FP8 product runs at; below, qmatmul keeps the compute-dtype product.
-# A placeholder until measured on a GPU (the 2.0x GEMM gain was measured at M = 2048).
+# On an H200 FP8 was slower at 256 rows and faster at 2,048 (benchmarks/results/latest/h200_fp8.md);
+# the crossover between is not measured.
 FP8_MIN_ROWS = 256
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T: both operands K-major, the layout the FP8 GEMM takes

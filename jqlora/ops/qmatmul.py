@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import jqlora.ops.sharding as sharding
-from jqlora.ops import fp8
+from jqlora.ops.fp8 import FP8_MIN_ROWS, backward_fp8, check_fp8_weight, forward_fp8
 from jqlora.ops.dispatch import Plan, choose_plan
 from jqlora.ops.products import acc_dtype, backward_product, dot_nn, dot_nt, forward_product, precision
 from jqlora.quant import Int8Weight, Weight4bit
@@ -48,7 +48,7 @@ def _zero_cotangent(q):
 def _weight_forward(st: _Static, x, q):
     """x @ W.T in the compute dtype, for a quantized or a frozen dense W."""
     if st.numerics == "fp8":
-        return fp8.forward_fp8(st.plan, x, q, out_dtype=st.out_dtype)
+        return forward_fp8(st.plan, x, q, out_dtype=st.out_dtype)
     if isinstance(q, (Weight4bit, Int8Weight)):
         return forward_product(st.plan, x, q, out_dtype=st.out_dtype, numerics=st.numerics)
     return dot_nt(x, q).astype(st.out_dtype)
@@ -60,7 +60,7 @@ def _weight_backward(st: _Static, dy, q, out_dtype):
     GEMM, several times slower than the compute-dtype one for an LM head
     (benchmarks/results/JOURNAL.md). dy's values are exact in the compute dtype."""
     if st.numerics == "fp8":
-        return fp8.backward_fp8(st.plan, dy, q, out_dtype=out_dtype)
+        return backward_fp8(st.plan, dy, q, out_dtype=out_dtype)
     if isinstance(q, (Weight4bit, Int8Weight)):
         return backward_product(st.plan, dy, q, out_dtype=out_dtype)
     return dot_nn(dy, q).astype(out_dtype)
@@ -154,12 +154,12 @@ def qmatmul(
               inference numerics for an Int8Weight (forward; the backward is weight-only), or
               "fp8" for a Weight4bit: both base products on float8_e4m3fn operands scaled per
               row (`jqlora.ops.fp8`; the LoRA branch stays in the compute dtype), from
-              `fp8.FP8_MIN_ROWS` rows per device up; fewer rows run the "weight_only" product.
+              `jqlora.ops.fp8.FP8_MIN_ROWS` rows per device up; fewer rows run the "weight_only" product.
     """
     if numerics not in NUMERICS:
         raise ValueError(f"unknown numerics {numerics!r}; expected one of {NUMERICS}")
     if numerics == "fp8":
-        fp8.check_fp8_weight(q)
+        check_fp8_weight(q)
         if variant is not None:
             raise ValueError(f"variant={variant!r} names a compute-dtype kernel; numerics='fp8' "
                              "runs its own FP8 dequant kernels")
@@ -183,7 +183,7 @@ def qmatmul(
         q = jax.lax.stop_gradient(jnp.asarray(q)).astype(cd)
     # under a training mesh each device multiplies its own rows by the whole weight (jqlora.parallel)
     local = sharding.local_rows(m)
-    if numerics == "fp8" and local < fp8.FP8_MIN_ROWS:
+    if numerics == "fp8" and local < FP8_MIN_ROWS:
         numerics = "weight_only"  # a few rows: the compute-dtype product (GEMV kernels), as generation runs
     # the dispatch table knows the compute-dtype kernels; fp8 reads only the backend from it
     plan = choose_plan(q, local, backend, variant=variant, numerics="weight_only" if numerics == "fp8" else numerics,

@@ -70,7 +70,7 @@ def _dequant_fp8(packed, absmax, code, inv_scale, *, blocksize: int, transpose: 
     n, k = check_4bit_operands(packed, absmax, code, blocksize, what=what)
     check_fp8_row_scales(inv_scale, n, what=what)
     method = resolve_method(method, "gather")
-    # Tiles (not measured yet): the (N, K) kernel takes dequant_tiled's 16 rows x 256 bytes; the
+    # Tiles (not tuned; times on an H200 in docs/kernels.md): the (N, K) kernel takes dequant_tiled's 16 rows x 256 bytes; the
     # transposed one 64 rows x 64 bytes, so that each stored row of the (K, N) tile is 64 bytes.
     bn = block_n or min(16 if not transpose else 64, _compat.next_pow2(n))
     if not _compat.is_pow2(bn):
