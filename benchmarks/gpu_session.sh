@@ -17,6 +17,8 @@
 #                                           # `jqlora generate`/`train` cold then warm (cProfile, compile log)
 #   bash benchmarks/gpu_session.sh long-context  # one 8B step of 360,448 tokens, remat auto, on one
 #                                                # card (an 80 GB H100: nvidia-h100-x1)
+#   bash benchmarks/gpu_session.sh step-table  # the performance table: 8B step at 2048/4096 (NF4, bf16
+#                                              # weights, torch) and decode 8B/1B, one call (~6 min)
 #   bash benchmarks/gpu_session.sh product [1b|8b]  # the product path: `jqlora train`/`generate` with
 #                                                   # defaults, cold and warm cache, vs torch (<= 9.5 min)
 # Carry `.whl` (bitsandbytes and flatbuffers wheels, see docs/benchmarks.md). Results land in $OUT.
@@ -50,6 +52,9 @@ case "${1:-tests}" in
     shape=${2:-1b}
     timeout 280 python3 -m benchmarks.train_bench --side jax --attention cudnn --shape "$shape" --steps 5 | tee -a "$OUT/train_$shape.jsonl"
     timeout 300 python3 -m benchmarks.train_bench --side torch --shape "$shape" --steps 5 | tee -a "$OUT/train_$shape.jsonl" ;;
+  step-table)
+    # the 8B step (NF4, bf16 weights, torch) at 2048 and 4096 tokens and decode at 8B and 1B: about 350 s on an H200
+    timeout 590 python3 -m benchmarks.step_table --budget-s 575 --out "$OUT" 2>&1 | tee "$OUT/step_table.log" | tail -30 ;;
   product)
     # every part has its own time limit inside a 560 s budget; what does not fit is recorded as skipped
     timeout 590 python3 -m benchmarks.product_bench --shape "${2:-1b}" --out "$OUT" --workdir /tmp 2>&1 \

@@ -182,7 +182,7 @@ def child_decode(ckpt: str, new_tokens: int) -> int:
 
 
 # ------------------------------------------------------------------------------------ parent
-def _run(part: str, cmd: list[str], limit: float, env: dict, poll=None) -> dict:
+def run_part(part: str, cmd: list[str], limit: float, env: dict, poll=None) -> dict:
     """Run one part's process with a time limit; `poll(elapsed)` is called every 50 ms while it
     runs. Returns its record: status, wall_s, the child's MARK line, stdout/stderr tails."""
     t0 = time.perf_counter()
@@ -257,7 +257,7 @@ def write_data(path: Path, seq_len: int, rows: int, seed: int = 0) -> None:
             f.write(json.dumps({"text": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n))}) + "\n")
 
 
-def _device_name() -> str:
+def gpu_name() -> str:
     try:
         r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                            text=True, timeout=20)
@@ -268,7 +268,7 @@ def _device_name() -> str:
     return "cpu"
 
 
-def _versions() -> dict:
+def package_versions() -> dict:
     out = {"python": sys.version.split()[0]}
     for dist in ("jax", "jaxlib", "flax", "torch", "transformers", "bitsandbytes", "peft"):
         try:
@@ -278,7 +278,7 @@ def _versions() -> dict:
     return out
 
 
-def _commit() -> str | None:
+def measured_commit() -> str | None:
     """The measured commit: $JQLORA_COMMIT where set (a copy of the tree whose .git is not the
     source's, as on the GPU machine), else git's HEAD here (+dirty)."""
     if os.environ.get("JQLORA_COMMIT"):
@@ -303,8 +303,8 @@ def run(shape: str, out_dir: str, *, steps: int, new_tokens: int, budget_s: floa
     """Every part in order within `budget_s` seconds; returns the result record (also written)."""
     t_start = time.perf_counter()
     py = sys.executable
-    res = {"benchmark": "product", "shape": shape, "device": _device_name(),
-           "date": datetime.date.today().isoformat(), "commit": _commit(), "versions": _versions(),
+    res = {"benchmark": "product", "shape": shape, "device": gpu_name(),
+           "date": datetime.date.today().isoformat(), "commit": measured_commit(), "versions": package_versions(),
            "command": " ".join([os.path.basename(py), "-m", "benchmarks.product_bench", *sys.argv[1:]]),
            "seq_len": SEQ[shape], "steps": steps, "new_tokens": new_tokens, "budget_s": budget_s, "parts": []}
     work = Path(tempfile.mkdtemp(prefix="jqlora-product-", dir=workdir))
@@ -324,7 +324,7 @@ def run(shape: str, out_dir: str, *, steps: int, new_tokens: int, budget_s: floa
         else:
             log(f"[{time.perf_counter() - t_start:6.1f} s] {name} (limit {limit:.0f} s)")
             holder = dict(rec_extra or {})
-            rec = _run(name, cmd, limit, env or base_env, poll=poll(holder) if poll else None)
+            rec = run_part(name, cmd, limit, env or base_env, poll=poll(holder) if poll else None)
             rec.update(holder)
         res["parts"].append(rec)
         log(f"  -> {rec['status']}" + (f", {rec['wall_s']} s" if "wall_s" in rec else ""))

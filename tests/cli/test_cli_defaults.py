@@ -223,10 +223,10 @@ def test_product_bench_reads_the_cli_outputs(tmp_path):
     child = ("import sys, json; print('attention: einsum (auto)', file=sys.stderr); "
              "print('timing: ' + json.dumps({'load_s': 1.5, 'new_tokens': 4}), file=sys.stderr); "
              f"print({pb.MARK!r} + json.dumps({{'rc': 0, 'peak_bytes': 2**30}}), file=sys.stderr)")
-    rec = pb._run("x", [sys.executable, "-c", child], 60, dict(os.environ))
+    rec = pb.run_part("x", [sys.executable, "-c", child], 60, dict(os.environ))
     assert rec["status"] == "ok" and rec["peak_bytes"] == 2**30 and rec["load_s"] == 1.5
     assert rec["logged"] == ["attention: einsum (auto)"]
-    bad = pb._run("y", [sys.executable, "-c", "raise SystemExit(3)"], 60, dict(os.environ))
+    bad = pb.run_part("y", [sys.executable, "-c", "raise SystemExit(3)"], 60, dict(os.environ))
     assert bad["status"] == "failed (exit 3)"
     path = tmp_path / "loss.csv"
     with open(path, "w", newline="") as f:
