@@ -2,7 +2,8 @@
 
 A Qwen3-30B-A3B-shaped model (48 layers, 128 experts top-8, hidden 2048, expert size 768, 32 heads /
 4 KV heads of 128, vocab 151936; `--layers` shrinks the depth), random weights, LoRA r=16 (alpha 32)
-on attention and experts, one row of 2048 tokens, per-layer remat / gradient checkpointing, AdamW.
+on attention and experts, one row of 2048 tokens, per-layer remat / gradient checkpointing, AdamW
+(`--optimizer adamw8bit`: its moments in 8 bits, jqlora.train.adamw8bit / bitsandbytes' AdamW8bit).
 
 * jqlora: NF4 everywhere (attention and experts, blocksize 64, double quant; routers and
   embeddings dense bf16), experts through `jqlora.ops.qgmm`.
@@ -39,6 +40,7 @@ import sys
 import time
 
 from benchmarks.timing import time_steps
+from jqlora.train.config import OPTIMIZERS  # no jax behind it
 
 QWEN3_30B_A3B = dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48,
@@ -128,8 +130,19 @@ def _peak_gib() -> float:
     return stats.get("peak_bytes_in_use", 0) / 2**30
 
 
+def _adamw(optimizer: str):
+    """``optax.adamw(1e-4)``, or the same chain with 8-bit moments (what `--optimizer` compares)."""
+    import optax
+
+    from jqlora.train.adamw8bit import scale_by_adam_8bit
+
+    if optimizer == "adamw8bit":
+        return optax.chain(scale_by_adam_8bit(), optax.add_decayed_weights(1e-4), optax.scale_by_learning_rate(1e-4))
+    return optax.adamw(1e-4)
+
+
 def run_jax(c: dict, seq: int, steps: int, tiny: bool, *, mesh_spec: str | None = None,
-            targets="all-linear") -> dict:
+            targets="all-linear", optimizer: str = "adamw") -> dict:
     import jax
     import jax.numpy as jnp
     import optax
@@ -144,11 +157,11 @@ def run_jax(c: dict, seq: int, steps: int, tiny: bool, *, mesh_spec: str | None 
     build_s = time.perf_counter() - t0
     lora_params = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))))
     common = {"side": "jqlora", "build_s": build_s, "experts": "nf4", "target_modules": targets,
-              "lora_params": lora_params, "device": jax.devices()[0].device_kind}
+              "lora_params": lora_params, "optimizer": optimizer, "device": jax.devices()[0].device_kind}
     if mesh_spec:
-        return {**common, **_steps_on_mesh(model, c, seq, steps, mesh_spec)}
+        return {**common, **_steps_on_mesh(model, c, seq, steps, mesh_spec, optimizer)}
     graphdef, lstate, rest = nnx.split(model, nnx.LoRAParam, ...)
-    opt = optax.adamw(1e-4)
+    opt = _adamw(optimizer)
     opt_state = opt.init(lstate)
     ids = jax.random.randint(jax.random.key(1), (1, seq + 1), 0, c["vocab_size"])
 
@@ -178,7 +191,7 @@ def run_jax(c: dict, seq: int, steps: int, tiny: bool, *, mesh_spec: str | None 
             "peak_gib": _peak_gib(), "loss": float(loss), "first_step_s": compile_s}
 
 
-def _steps_on_mesh(model, c: dict, seq: int, steps: int, mesh_spec: str) -> dict:
+def _steps_on_mesh(model, c: dict, seq: int, steps: int, mesh_spec: str, optimizer: str = "adamw") -> dict:
     """The jqlora step on a device mesh, as `jqlora train --mesh` runs it (module docstring)."""
     import jax
     import numpy as np
@@ -191,7 +204,7 @@ def _steps_on_mesh(model, c: dict, seq: int, steps: int, mesh_spec: str) -> dict
 
     mesh = parallel.resolve_mesh(mesh_spec)
     devices = 1 if mesh is None else int(mesh.size)
-    opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000), wrt=nnx.LoRAParam)
+    opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000, optimizer=optimizer), wrt=nnx.LoRAParam)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, c["vocab_size"], (1, devices, seq + 1)).astype(np.int32)
     batch = {"input_ids": ids[..., :-1], "targets": ids[..., 1:], "loss_mask": np.ones((1, devices, seq), np.float32),
@@ -237,7 +250,7 @@ def _torch_model(c: dict, cuda: bool):
     return model
 
 
-def run_torch(c: dict, seq: int, steps: int, tiny: bool, *, targets="all-linear") -> dict:
+def run_torch(c: dict, seq: int, steps: int, tiny: bool, *, targets="all-linear", optimizer: str = "adamw") -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -250,7 +263,13 @@ def run_torch(c: dict, seq: int, steps: int, tiny: bool, *, targets="all-linear"
         if not tiny:
             model.gradient_checkpointing_enable()
         model.train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        if optimizer == "adamw8bit":
+            import bitsandbytes as bnb
+
+            opt = bnb.optim.AdamW8bit(trained, lr=1e-4)
+        else:
+            opt = torch.optim.AdamW(trained, lr=1e-4)
         ids = torch.randint(0, c["vocab_size"], (1, seq + 1), device="cuda" if cuda else "cpu")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -273,13 +292,14 @@ def run_torch(c: dict, seq: int, steps: int, tiny: bool, *, targets="all-linear"
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
     except torch.OutOfMemoryError as e:
-        return {"side": "torch qlora+peft", "oom": True, "error": str(e).splitlines()[0],
+        return {"side": "torch qlora+peft", "oom": True, "error": str(e).splitlines()[0], "optimizer": optimizer,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0}
     times.sort()
     step_s = times[len(times) // 2]
     return {"side": "torch qlora+peft", "oom": False, "step_s": step_s, "tokens_per_s": seq / step_s,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "loss": loss,
-            "first_step_s": first, "experts": "bf16", "target_modules": targets, "mesh": None, "devices": 1,
+            "first_step_s": first, "experts": "bf16", "target_modules": targets, "optimizer": optimizer,
+            "mesh": None, "devices": 1,
             "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
@@ -294,7 +314,7 @@ def _commit() -> str:
 def _side_in_subprocess(side: str, a) -> dict:
     argv = [sys.executable, "-m", "benchmarks.moe_bench", "--side", side, "--seq", str(a.seq),
             "--steps", str(a.steps)] + (["--layers", str(a.layers)] if a.layers is not None else []) \
-        + (["--tiny"] if a.tiny else []) + ["--target-modules", a.target_modules] \
+        + (["--tiny"] if a.tiny else []) + ["--target-modules", a.target_modules, "--optimizer", a.optimizer] \
         + (["--mesh", a.mesh] if a.mesh and side == "jax" else [])
     r = subprocess.run(argv, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))))
@@ -320,6 +340,9 @@ def main(argv=None) -> int:
     p.add_argument("--target-modules", default="all-linear",
                    help=f"LoRA targets: all-linear (attention and experts) or a comma-separated list of "
                         f"{', '.join(TARGETS)}")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="AdamW, or AdamW with 8-bit moments (jqlora's adamw8bit; bitsandbytes' AdamW8bit on "
+                        "the transformers side)")
     a = p.parse_args(argv)
     try:
         targets = parse_targets(a.target_modules)
@@ -332,15 +355,15 @@ def main(argv=None) -> int:
     a.seq = a.seq or (32 if a.tiny else 2048)
     c = config(a.tiny, a.layers)
     if a.side != "both":
-        res = (run_jax(c, a.seq, a.steps, a.tiny, mesh_spec=a.mesh, targets=targets) if a.side == "jax"
-               else run_torch(c, a.seq, a.steps, a.tiny, targets=targets))
+        res = (run_jax(c, a.seq, a.steps, a.tiny, mesh_spec=a.mesh, targets=targets, optimizer=a.optimizer)
+               if a.side == "jax" else run_torch(c, a.seq, a.steps, a.tiny, targets=targets, optimizer=a.optimizer))
         print(json.dumps(res), flush=True)
         return 0
     from benchmarks.run import device_name, versions
 
     rows = [_side_in_subprocess(s, a) for s in ("jax", "torch")]
     res = dict(rows=rows, config=c, seq=a.seq, steps=a.steps, tiny=a.tiny, active_params=active_params(c),
-               mesh=a.mesh, target_modules=targets,
+               mesh=a.mesh, target_modules=targets, optimizer=a.optimizer,
                device=device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
                versions=versions(), argv=list(argv if argv is not None else sys.argv[1:]))
     print(json.dumps(res, indent=1))

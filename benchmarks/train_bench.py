@@ -7,6 +7,8 @@ Random weights, NF4 blocksize 64 with double quant, LoRA r=16 (alpha 32) on all 
 batch 1 x 2048, gradient checkpointing, AdamW. `--weights bf16` (jax side) keeps the frozen base
 dense bf16 with the LoRA and everything else unchanged: jqlora's bf16-weight LoRA step, the
 ceiling the NF4 step is measured against (run each in its own process; the line says `weights`).
+`--optimizer adamw8bit` keeps AdamW's moments in 8 bits on both sides (jqlora.train.adamw8bit;
+bitsandbytes' `AdamW8bit` on the torch side); the line says `optimizer`.
 
 Each side reports two loops over the same number of steps: `step_s` / `tokens_per_s`, the median
 step when each step's loss is read before the next dispatch, and `pipelined_step_s` /
@@ -18,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+from jqlora.train.config import OPTIMIZERS  # no jax behind it
 
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -106,14 +110,15 @@ def _random_nf4(key, shape, mesh, makers: dict):
 
 def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", layers: int | None = None,
               mesh=None, remat="nothing_saveable", lora: bool = True, weights: str = "nf4",
-              compute_dtype: str = "bfloat16", base_matmul: str = "compute"):
+              compute_dtype: str = "bfloat16", base_matmul: str = "compute", optimizer: str = "adamw"):
     """The jqlora side's model, optimizer and one batch (random weights, quantized on device);
     `layers` overrides the shape's layer count; lora=False builds the bare quantized model (what
     `jqlora generate` runs without an adapter). With a `mesh` (jqlora.parallel) every weight is
     made on its shards as random NF4 bytes and scales, and the batch has one row per device.
     weights="bf16": the decoder's linear weights stay dense bf16 (no quantization), everything
     else as with "nf4". compute_dtype: the model's (float32 is what the CLI runs on a CPU).
-    base_matmul: "compute" or "fp8", the NF4 weights' products (`from_params(base_matmul=)`)."""
+    base_matmul: "compute" or "fp8", the NF4 weights' products (`from_params(base_matmul=)`).
+    optimizer: "adamw" or "adamw8bit" (`make_optimizer(optimizer=)`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -164,7 +169,7 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
     _note("model built (layers stacked)", t_build)
     if not lora:
         return model, None, None
-    opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000), wrt=nnx.LoRAParam)
+    opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000, optimizer=optimizer), wrt=nnx.LoRAParam)
     return model, opt, make_batch(v, 1 if mesh is None else int(mesh.size), seq)
 
 
@@ -196,7 +201,8 @@ def make_batch(vocab: int, rows: int, seq: int) -> dict:
             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (1, rows, seq)).copy()}
 
 
-def compile_only(shape: str, seqs: list[int], backend: str, attention: str, remat, weights: str = "nf4") -> list[dict]:
+def compile_only(shape: str, seqs: list[int], backend: str, attention: str, remat, weights: str = "nf4",
+                 optimizer: str = "adamw") -> list[dict]:
     """XLA's own memory analysis of the one-device train step at each sequence length, compiled and
     never run (a step at 350k tokens takes minutes): device temporaries, arguments, outputs and
     host temporaries (offloaded activations), with the policy `remat="auto"` chose."""
@@ -205,7 +211,7 @@ def compile_only(shape: str, seqs: list[int], backend: str, attention: str, rema
     from jqlora import models
     from jqlora.train.step import train_step
 
-    model, opt, _ = build_jax(shape, seqs[0], backend, attention, remat=remat, weights=weights)
+    model, opt, _ = build_jax(shape, seqs[0], backend, attention, remat=remat, weights=weights, optimizer=optimizer)
     c = hf_config(shape)
     out = []
     for seq in seqs:
@@ -213,8 +219,8 @@ def compile_only(shape: str, seqs: list[int], backend: str, attention: str, rema
         del batch["segment_ids"]  # one unpacked sequence per row, as run_jax runs it
         t0 = time.perf_counter()
         ma = train_step.bind(model, opt).lower(batch).compile().memory_analysis()
-        rec = {"side": "jqlora", "mode": "compile-only", "weights": weights, "shape": shape, "seq": seq, "remat": remat,
-               "compile_s": round(time.perf_counter() - t0, 1)}
+        rec = {"side": "jqlora", "mode": "compile-only", "weights": weights, "optimizer": optimizer, "shape": shape,
+               "seq": seq, "remat": remat, "compile_s": round(time.perf_counter() - t0, 1)}
         for k in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                   "host_temp_size_in_bytes", "host_argument_size_in_bytes"):
             if hasattr(ma, k):
@@ -230,7 +236,8 @@ def compile_only(shape: str, seqs: list[int], backend: str, attention: str, rema
 def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "einsum",
             loss_chunk: int | None = None, dispatch: str = "bound", packed: bool = False,
             docs: int = 1, segment_tables: bool = True, mesh_spec: str | None = None,
-            remat="nothing_saveable", weights: str = "nf4", base_matmul: str = "compute") -> dict:
+            remat="nothing_saveable", weights: str = "nf4", base_matmul: str = "compute",
+            optimizer: str = "adamw") -> dict:
     import functools
 
     import jax
@@ -247,7 +254,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
 
     mesh = parallel.resolve_mesh(mesh_spec) if mesh_spec else None
     model, opt, batch = build_jax(shape, seq, backend, attention, mesh=mesh, remat=remat, weights=weights,
-                                  base_matmul=base_matmul)
+                                  base_matmul=base_matmul, optimizer=optimizer)
     formats = frozen_formats(model)
     rows = batch["input_ids"].shape[1]  # tokens per step: rows x seq
     if not packed:  # one sequence per row, as train(packing=False) feeds it (and as torch runs)
@@ -345,7 +352,7 @@ def one_step(run, batch, rows: int, seq: int, backend: str, attention: str) -> d
             "host_peak_rss_gib": round(host_peak, 2), "device": jax.devices()[0].device_kind}
 
 
-def run_torch(shape: str, steps: int, seq: int, quantized: bool = True) -> dict:
+def run_torch(shape: str, steps: int, seq: int, quantized: bool = True, optimizer: str = "adamw") -> dict:
     import os
     import tempfile
 
@@ -380,7 +387,12 @@ def run_torch(shape: str, steps: int, seq: int, quantized: bool = True) -> dict:
     # from_pretrained returns an eval-mode model, and transformers checkpoints layers only in
     # training mode: without this the step runs with no gradient checkpointing at all.
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    if optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    else:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, c["vocab_size"], (1, seq), device=dev)
     cuda = dev == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -469,6 +481,9 @@ def main(argv=None):
     p.add_argument("--base-matmul", default="compute", choices=["compute", "fp8"],
                    help="jax side: the NF4 weights' products in the compute dtype, or on FP8 (E4M3) "
                         "operands scaled per row (docs/numerics.md); recorded as base_matmul")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="AdamW, or AdamW with 8-bit moments (jqlora's adamw8bit; bitsandbytes' AdamW8bit on the "
+                        "torch side); recorded as optimizer")
     p.add_argument("--compile-only", default=None, metavar="SEQS",
                    help="jax side, one device: compile the step at each of these sequence lengths "
                         "(e.g. 131072,262144) and print XLA's memory analysis; nothing runs")
@@ -482,18 +497,19 @@ def main(argv=None):
     logging.getLogger("jqlora.models").setLevel(logging.INFO)  # the remat plan "auto" chose, on stderr
     if a.compile_only:
         compile_only(a.shape, [int(x) for x in a.compile_only.split(",")], a.backend, a.attention,
-                     False if a.remat == "none" else a.remat, weights=a.weights)
+                     False if a.remat == "none" else a.remat, weights=a.weights, optimizer=a.optimizer)
         return
     if a.side == "jax":
         remat = False if a.remat == "none" else a.remat
         res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch, a.packed,
                       a.docs, not a.no_segment_tables, a.mesh, remat=remat, weights=a.weights,
-                      base_matmul=a.base_matmul)
+                      base_matmul=a.base_matmul, optimizer=a.optimizer)
         res["remat"] = a.remat
         res["base_matmul"] = a.base_matmul
     else:
-        res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch")
+        res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch", optimizer=a.optimizer)
         res["weights"] = "nf4" if a.side == "torch" else "bf16"
+    res["optimizer"] = a.optimizer
     c = hf_config(a.shape)
     res.update(shape=a.shape, seq=a.seq, flops_per_token=flops_per_token(c, a.seq))
     res["model_tflops"] = res["flops_per_token"] * res["tokens_per_s"] / 1e12

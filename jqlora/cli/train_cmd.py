@@ -12,7 +12,7 @@ from jqlora._util import ATTENTION_AUTO_HELP, ATTENTION_CHOICES, BACKENDS, BASE_
 from jqlora.cli._common import CLIError, disk_error, echo_log, model_dir
 from jqlora.runs import (CLI_DEFAULTS, LORA_KEYS, MODEL_KEYS, OUTPUT_KEYS, LoraSettings, RunSettings, flag_name,
                          is_switch, train_field_types, type_name)
-from jqlora.train.config import LR_SCHEDULES, OBJECTIVES, TrainConfig
+from jqlora.train.config import LR_SCHEDULES, OBJECTIVES, OPTIMIZERS, TrainConfig
 from jqlora.train.objectives import DPO_LOSSES, GRPO_LOSSES, SCALE_REWARDS
 from jqlora.train.lock import lock_run_dir
 
@@ -52,7 +52,8 @@ of --warmup. Outputs in out_dir: loss.csv (step, loss, lr, tokens_per_s, grad_no
 (step, eval_loss, perplexity), loss.png, tensorboard/ (event files; --no-tensorboard: none),
 checkpoints/step_*, jqlora_run.json (what export-peft needs) and the adapter. --resume continues
 from the newest checkpoint with the stored settings (raise --steps or --epochs to train longer);
-model and LoRA settings must not change.
+model, LoRA and --optimizer settings must not change. --optimizer adamw8bit keeps AdamW's moments
+in 8 bits (bitsandbytes' AdamW8bit), for runs whose optimizer state is most of their memory.
 
 --objective dpo trains on preference pairs ({"prompt", "chosen", "rejected"} per row), --objective
 grpo on prompts with reward functions (--reward module:function or file.py:function, repeatable);
@@ -60,7 +61,7 @@ docs/training.md, "Preference and RL training", has their options and what they 
 
 _CHOICES = {"lr_schedule": LR_SCHEDULES,  # TrainConfig fields whose flag takes one of a few names
             "objective": OBJECTIVES, "dpo_loss": DPO_LOSSES, "grpo_loss": GRPO_LOSSES,
-            "scale_rewards": SCALE_REWARDS, "base_matmul": BASE_MATMULS}
+            "scale_rewards": SCALE_REWARDS, "base_matmul": BASE_MATMULS, "optimizer": OPTIMIZERS}
 
 _FIELD_HELP = {
     "data_path": "training data: .jsonl, .json (array), .csv, .tsv, .parquet, a datasets folder or a cached dataset id", "tokenizer_path": "tokenizer.json or its directory (default: the model's)",
@@ -70,6 +71,8 @@ _FIELD_HELP = {
     "warmup_ratio": "warmup as a fraction of the steps (instead of --warmup)",
     "epochs": "passes over the training data; sets the steps (instead of --steps)",
     "final_lr_ratio": "the decay's end: lr * this",
+    "optimizer": "adamw, or adamw8bit: AdamW with its moments stored in 8 bits per element plus a float32 "
+                 "absmax per 256 (bitsandbytes' AdamW8bit; about a quarter of the state memory)",
     "tensorboard": "TensorBoard event files in out_dir/tensorboard (default: on when tensorboardX is installed)",
     "out_dir": "output directory", "save_every": "checkpoint every N steps (0: only at the end)",
     "eval_data_path": "evaluation data (the same kinds as --data-path)", "eval_every": "evaluate every N steps",

@@ -70,7 +70,8 @@ def export_adapter(source, out, *, step: Optional[int] = None, model_path=None) 
     d = TrainConfig()
     g = lambda k: tc.get(k, getattr(d, k))  # noqa: E731
     tx = make_optimizer(g("lr"), g("warmup"), g("steps"), g("weight_decay"), g("b1"), g("b2"), g("grad_clip"),
-                        final_lr_ratio=g("final_lr_ratio"), lr_schedule=g("lr_schedule"))
+                        final_lr_ratio=g("final_lr_ratio"), lr_schedule=g("lr_schedule"),
+                        optimizer=g("optimizer"))  # a record without it: TrainConfig's "adamw"
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
     _, step_done = restore_checkpoint(ckpt, model, optimizer)
     adapters.save_adapter(out, model, lora_cfg, base_model=str(model_path))

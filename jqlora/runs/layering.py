@@ -16,10 +16,11 @@ _RECORD_ONLY = ("format", "version", "skipped_batches")  # what a run record add
 CLI_DEFAULTS = {"attention": "auto", "remat": "auto"}
 # pairs of settings where one replaces the other: a layer of settings gives at most one of each
 EITHER_OR = (("epochs", "steps"), ("warmup_ratio", "warmup"))
-# what a resumed run must keep: the base, its numerics and the shape of the LoRA being trained
-RESUME_FIXED = ("model", "compute_dtype", "quantize", "quantize_experts", "base_matmul")
+# what a resumed run must keep: the base, its numerics, the optimizer (whose state the checkpoint
+# holds) and the shape of the LoRA being trained
+RESUME_FIXED = ("model", "compute_dtype", "quantize", "quantize_experts", "base_matmul", "optimizer")
 # what a record (or a run's settings) that leaves a RESUME_FIXED key out means
-_RECORD_DEFAULTS = {"quantize_experts": "auto", "base_matmul": "compute"}
+_RECORD_DEFAULTS = {"quantize_experts": "auto", "base_matmul": "compute", "optimizer": "adamw"}
 RESUME_FIXED_LORA = ("rank", "alpha", "target_modules", "use_rslora")
 
 

@@ -77,7 +77,7 @@ class RunSettings:
         layer, a pair of EITHER_OR (epochs/steps, warmup_ratio/warmup) may not both be given;
         across layers the later one wins. A record's (or a record given as the file's) `steps`
         and `warmup` are dropped where its `epochs`/`warmup_ratio` count them. With a `record`,
-        the model, compute dtype, quantization and LoRA shape (`RESUME_FIXED`,
+        the model, compute dtype, quantization, optimizer and LoRA shape (`RESUME_FIXED`,
         `RESUME_FIXED_LORA`) must stay as the record has them.
 
         Args:

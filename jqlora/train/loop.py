@@ -330,7 +330,7 @@ def _train(model, config, data, tokenizer, eval_data, on_step, resume, on_ready)
                          config.steps)
     tx = make_optimizer(config.lr, config.warmup, config.steps, config.weight_decay, config.b1,
                         config.b2, config.grad_clip, final_lr_ratio=config.final_lr_ratio,
-                        lr_schedule=config.lr_schedule)
+                        lr_schedule=config.lr_schedule, optimizer=config.optimizer)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
 
     start, resumed_from, last_ckpt = 0, None, latest_checkpoint(ckpt_dir)

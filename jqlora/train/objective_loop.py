@@ -111,7 +111,7 @@ def train_objective(model, config, make_task, *, data, tokenizer, eval_data, on_
                          config.steps)
     tx = make_optimizer(config.lr, config.warmup, config.steps, config.weight_decay, config.b1,
                         config.b2, config.grad_clip, final_lr_ratio=config.final_lr_ratio,
-                        lr_schedule=config.lr_schedule)
+                        lr_schedule=config.lr_schedule, optimizer=config.optimizer)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
 
     start, resumed_from, last_ckpt = 0, None, latest_checkpoint(ckpt_dir)

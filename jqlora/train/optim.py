@@ -1,5 +1,6 @@
 """Optimizer: AdamW + a learning-rate schedule (linear warmup, then cosine, linear or constant) +
-global-norm clipping, all from optax.
+global-norm clipping, all from optax; ``optimizer="adamw8bit"`` keeps the Adam moments in 8 bits
+(:mod:`jqlora.train.adamw8bit`, bitsandbytes' ``AdamW8bit``).
 
 Gradient accumulation is NOT done here with ``optax.MultiSteps``: the train step
 (:mod:`jqlora.train.loop`) runs an explicit ``lax.scan`` over the ``grad_accum`` micro-batches,
@@ -17,9 +18,10 @@ import jax
 import numpy as np
 import optax
 
-from .config import LR_SCHEDULES
+from .adamw8bit import scale_by_adam_8bit
+from .config import LR_SCHEDULES, OPTIMIZERS
 
-__all__ = ["LR_SCHEDULES", "make_schedule", "make_optimizer", "schedule_table"]
+__all__ = ["LR_SCHEDULES", "OPTIMIZERS", "make_schedule", "make_optimizer", "schedule_table"]
 
 
 def make_schedule(lr: float, warmup_steps: int, total_steps: int, *,
@@ -70,11 +72,16 @@ def schedule_table(schedule: optax.Schedule, total_steps: int) -> np.ndarray:
 @functools.lru_cache(maxsize=32)
 def make_optimizer(lr: float, warmup_steps: int, total_steps: int, weight_decay: float = 0.0,
                    b1: float = 0.9, b2: float = 0.999, grad_clip: float | None = 1.0, *,
-                   eps: float = 1e-8, final_lr_ratio: float = 0.0, lr_schedule: str = "cosine"
-                   ) -> optax.GradientTransformation:
+                   eps: float = 1e-8, final_lr_ratio: float = 0.0, lr_schedule: str = "cosine",
+                   optimizer: str = "adamw") -> optax.GradientTransformation:
     """``clip_by_global_norm(grad_clip)`` (skipped when ``grad_clip`` is None or <= 0) followed by
     ``adamw`` with :func:`make_schedule` (``lr_schedule`` is its ``kind``). Weight decay applies to
     every trained (LoRA) parameter. The optimizer state has the same structure for every schedule.
+
+    ``optimizer="adamw8bit"``: the same chain with :func:`~jqlora.train.adamw8bit.scale_by_adam_8bit`
+    in place of ``scale_by_adam`` (the composition ``optax.adamw`` is made of), so the moments of
+    leaves of 4096 elements or more are stored in 8 bits. Its state differs from AdamW's: a run
+    keeps one optimizer from start to end.
 
     Memoized: equal arguments return the same (stateless) transformation object, so that
     ``nnx.Optimizer``s built from equal configs share one compiled train step."""
@@ -83,5 +90,12 @@ def make_optimizer(lr: float, warmup_steps: int, total_steps: int, weight_decay:
     parts = []
     if grad_clip is not None and grad_clip > 0:
         parts.append(optax.clip_by_global_norm(float(grad_clip)))
-    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    if optimizer == "adamw":
+        parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    elif optimizer == "adamw8bit":
+        parts.append(optax.chain(scale_by_adam_8bit(b1=b1, b2=b2, eps=eps),
+                                 optax.add_decayed_weights(weight_decay),
+                                 optax.scale_by_learning_rate(schedule)))
+    else:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}")
     return optax.chain(*parts)
