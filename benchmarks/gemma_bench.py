@@ -167,21 +167,10 @@ def run_torch(c: dict, seq: int, steps: int, tiny: bool) -> dict:
             opt.zero_grad(set_to_none=True)
             return float(loss.detach())
 
-        t = time.perf_counter()
-        loss = step()
-        first = time.perf_counter() - t
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            loss = step()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+        first, step_s, loss = time_steps(step, steps)  # float(loss) waits for the step's CUDA stream
     except torch.OutOfMemoryError as e:
         return {"side": "torch qlora+peft", "oom": True, "error": str(e).splitlines()[0],
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
-    times.sort()
-    step_s = times[len(times) // 2]
     return {"side": "torch qlora+peft", "oom": False, "step_s": step_s, "tokens_per_s": seq / step_s,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "loss": loss,
             "first_step_s": first, "attention": attn, "layers": c["num_hidden_layers"],

@@ -407,16 +407,22 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(res: dict, out_dir: str, log=print) -> str:
-    """<out>/<device>-<date>_product_<shape>.json and .md, each written to a temporary name and renamed."""
+def write_json_and_md(res: dict, md: str, out_dir: str, suffix: str, log=print) -> str:
+    """<out>/<device>-<date><suffix>.json (`res`) and .md (`md`), each written to a temporary name
+    and renamed, so that a reader never sees half a file. Returns the path without extension."""
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{res['device'].lower().replace(' ', '-')}-{res['date']}_product_{res['shape']}")
-    for ext, text in ((".json", json.dumps(res, indent=1)), (".md", markdown(res))):
+    stem = os.path.join(out_dir, f"{res['device'].lower().replace(' ', '-')}-{res['date']}{suffix}")
+    for ext, text in ((".json", json.dumps(res, indent=1)), (".md", md)):
         with open(stem + ext + ".tmp", "w") as f:
             f.write(text)
         os.replace(stem + ext + ".tmp", stem + ext)
     log(f"wrote {stem}.json and {stem}.md")
     return stem
+
+
+def write_results(res: dict, out_dir: str, log=print) -> str:
+    """<out>/<device>-<date>_product_<shape>.json and .md."""
+    return write_json_and_md(res, markdown(res), out_dir, f"_product_{res['shape']}", log)
 
 
 def main(argv=None) -> int:

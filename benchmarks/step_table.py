@@ -27,7 +27,8 @@ import socket
 import sys
 import time
 
-from benchmarks.product_bench import RESULTS_DIR, gpu_name, measured_commit, package_versions, run_part
+from benchmarks.product_bench import (RESULTS_DIR, gpu_name, measured_commit, package_versions, run_part,
+                                      write_json_and_md)
 
 # tokens/s targets of the training step and of decode, per GPU (matched on the device name)
 TRAIN_TARGETS = {"H200": {2048: 15_000, 4096: 15_000}, "H100": {2048: 13_000, 4096: 13_000}}
@@ -53,12 +54,12 @@ def target_for(table: dict, device: str):
 
 
 def _last_json(text: str, prefix: str = "") -> dict | None:
+    """The last line of `text` that is `prefix` + a JSON object, parsed (None if there is none)."""
     for line in reversed(text.splitlines()):
         line = line.strip()
-        if prefix and line.startswith(prefix):
-            line = line[len(prefix):]
-        elif prefix:
+        if not line.startswith(prefix):
             continue
+        line = line[len(prefix):]
         if line.startswith("{"):
             try:
                 return json.loads(line)
@@ -189,15 +190,8 @@ def markdown(res: dict) -> str:
 
 
 def write_results(res: dict, out_dir: str, log=print) -> str:
-    """<out>/<device>-<date>_step_table.json and .md, each written to a temporary name and renamed."""
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{res['device'].lower().replace(' ', '-')}-{res['date']}_step_table")
-    for ext, text in ((".json", json.dumps(res, indent=1)), (".md", markdown(res))):
-        with open(stem + ext + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(stem + ext + ".tmp", stem + ext)
-    log(f"wrote {stem}.json and {stem}.md")
-    return stem
+    """<out>/<device>-<date>_step_table.json and .md."""
+    return write_json_and_md(res, markdown(res), out_dir, "_step_table", log)
 
 
 def _csv(text: str) -> list[str]:

@@ -103,6 +103,7 @@ def run_mode(mode: str, shape: str, layers, seq: int, steps: int, ref_grads, che
                                           base_matmul=base_matmul, compute_dtype=compute_dtype)
             del batch["segment_ids"]
         mb = {k: v[0] for k, v in batch.items()}
+        # a snapshot (new Variable objects, same arrays) of the fresh LoRA, B = 0, restored before the curve
         zero_b = jax.tree.map(lambda a: a, nnx.state(model, nnx.LoRAParam))
         randomize_lora_b(model, seed=1)
 
