@@ -6,7 +6,8 @@ on attention and experts, one row of 2048 tokens, per-layer remat / gradient che
 (`--optimizer adamw8bit`: its moments in 8 bits, jqlora.train.adamw8bit / bitsandbytes' AdamW8bit).
 
 * jqlora: NF4 everywhere (attention and experts, blocksize 64, double quant; routers and
-  embeddings dense bf16), experts through `jqlora.ops.qgmm`.
+  embeddings dense bf16), experts through `jqlora.ops.qgmm`; the step `jqlora train` runs, with
+  the attention its `auto` picks (cuDNN flash attention on a GPU).
 * transformers + PEFT: attention as bitsandbytes `Linear4bit` NF4, experts in bf16 (what
   transformers + bitsandbytes give: they do not quantize 3-D expert parameters), LoRA through
   `target_parameters`; its `grouped_mm` experts path. "out of memory" is a result.
@@ -32,6 +33,7 @@ gate_up_proj, down_proj.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -123,86 +125,44 @@ def _params_jax(c: dict, seed: int = 0) -> dict:
     return p
 
 
-def _peak_gib() -> float:
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use", 0) / 2**30
-
-
-def _adamw(optimizer: str):
-    """``optax.adamw(1e-4)``, or the same chain with 8-bit moments (what `--optimizer` compares)."""
-    import optax
-
-    from jqlora.train.adamw8bit import scale_by_adam_8bit
-
-    if optimizer == "adamw8bit":
-        return optax.chain(scale_by_adam_8bit(), optax.add_decayed_weights(1e-4), optax.scale_by_learning_rate(1e-4))
-    return optax.adamw(1e-4)
+@dataclasses.dataclass
+class JaxSide:
+    """What `build_jax` gives: the model, its bound train step, one batch, the build's facts, the mesh."""
+    model: object
+    run: object
+    batch: dict
+    info: dict
+    mesh: object
 
 
-def run_jax(c: dict, seq: int, steps: int, tiny: bool, *, mesh_spec: str | None = None,
-            targets="all-linear", optimizer: str = "adamw") -> dict:
+def build_jax(c: dict, seq: int, tiny: bool, *, mesh_spec: str | None = None, targets="all-linear",
+              optimizer: str = "adamw"):
+    """The jqlora side as `jqlora train` runs it: the model, the library's train step
+    (`jqlora.train.step.train_step`: chunked cross-entropy, gradient clipping, the LoRA params and
+    optimizer state donated) bound to it, one batch of one `seq`-token row per device, and the
+    facts of the build (`JaxSide`). With `mesh_spec` the state is placed on the mesh first (module docstring)."""
     import jax
     import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    from jqlora import lora, models
-
-    t0 = time.perf_counter()
-    dtype = jnp.float32 if tiny else jnp.bfloat16
-    model = models.from_params(_params_jax(c), c, compute_dtype=dtype, remat=not tiny, donate_params=True,
-                               lora=lora.LoraConfig(rank=RANK, alpha=ALPHA, target_modules=targets))
-    build_s = time.perf_counter() - t0
-    lora_params = int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))))
-    common = {"side": "jqlora", "build_s": build_s, "experts": "nf4", "target_modules": targets,
-              "lora_params": lora_params, "optimizer": optimizer, "device": jax.devices()[0].device_kind}
-    if mesh_spec:
-        return {**common, **_steps_on_mesh(model, c, seq, steps, mesh_spec, optimizer)}
-    graphdef, lstate, rest = nnx.split(model, nnx.LoRAParam, ...)
-    opt = _adamw(optimizer)
-    opt_state = opt.init(lstate)
-    ids = jax.random.randint(jax.random.key(1), (1, seq + 1), 0, c["vocab_size"])
-
-    def loss_fn(ls, rest):
-        logits = nnx.merge(graphdef, ls, rest)(ids[:, :-1]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
-
-    @jax.jit
-    def step(ls, opt_state, rest):
-        loss, g = jax.value_and_grad(loss_fn)(ls, rest)
-        updates, opt_state = opt.update(g, opt_state, ls)
-        return optax.apply_updates(ls, updates), opt_state, loss
-
-    t1 = time.perf_counter()
-    lstate, opt_state, loss = step(lstate, opt_state, rest)
-    float(loss)
-    compile_s = time.perf_counter() - t1
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        lstate, opt_state, loss = step(lstate, opt_state, rest)
-        float(loss)
-        times.append(time.perf_counter() - t)
-    times.sort()
-    step_s = times[len(times) // 2]
-    return {**common, "mesh": None, "devices": 1, "step_s": step_s, "tokens_per_s": seq / step_s,
-            "peak_gib": _peak_gib(), "loss": float(loss), "first_step_s": compile_s}
-
-
-def _steps_on_mesh(model, c: dict, seq: int, steps: int, mesh_spec: str, optimizer: str = "adamw") -> dict:
-    """The jqlora step on a device mesh, as `jqlora train --mesh` runs it (module docstring)."""
-    import jax
     import numpy as np
     from flax import nnx
 
-    from jqlora import parallel
+    from jqlora import lora, models, parallel
+    from jqlora._util import resolve_attention
     from jqlora.ops import sharding
     from jqlora.train.optim import make_optimizer
     from jqlora.train.step import train_step
 
-    mesh = parallel.resolve_mesh(mesh_spec)
+    t0 = time.perf_counter()
+    dtype = jnp.float32 if tiny else jnp.bfloat16
+    attention, _ = resolve_attention("auto", jnp.dtype(dtype).name)  # the CLI's default: cuDNN on a GPU
+    model = models.from_params(_params_jax(c), c, compute_dtype=dtype, remat=not tiny, donate_params=True,
+                               attention=attention,
+                               lora=lora.LoraConfig(rank=RANK, alpha=ALPHA, target_modules=targets))
+    info = {"side": "jqlora", "build_s": time.perf_counter() - t0, "experts": "nf4", "target_modules": targets,
+            "attention": attention,
+            "lora_params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))),
+            "optimizer": optimizer, "device": jax.devices()[0].device_kind, "mesh": mesh_spec}
+    mesh = parallel.resolve_mesh(mesh_spec) if mesh_spec else None  # none: one device
     devices = 1 if mesh is None else int(mesh.size)
     opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000, optimizer=optimizer), wrt=nnx.LoRAParam)
     rng = np.random.default_rng(1)
@@ -214,12 +174,21 @@ def _steps_on_mesh(model, c: dict, seq: int, steps: int, mesh_spec: str, optimiz
         parallel.place_state(model, opt, mesh)
         run = sharding.with_mesh(mesh, train_step.bind(model, opt))
         batch = parallel.shard_batch(batch, mesh)
-    first, step_s, loss = time_steps(lambda: float(run(batch)["loss"]), steps)
+    return JaxSide(model, run, batch, {**info, "devices": devices, "rows": devices}, mesh)
+
+
+def run_jax(c: dict, seq: int, steps: int, tiny: bool, *, mesh_spec: str | None = None,
+            targets="all-linear", optimizer: str = "adamw") -> dict:
+    """`build_jax`'s step timed: the median of `steps` after the first; peak and resident memory."""
+    import jax
+
+    side = build_jax(c, seq, tiny, mesh_spec=mesh_spec, targets=targets, optimizer=optimizer)
+    info, mesh = side.info, side.mesh
+    first, step_s, loss = time_steps(lambda: float(side.run(side.batch)["loss"]), steps)
     local = mesh.local_devices if mesh is not None else jax.devices()[:1]
     stat = lambda d, k: (d.memory_stats() or {}).get(k, 0) / 2**30  # noqa: E731
-    return {"mesh": mesh_spec, "devices": devices, "rows": devices, "step_s": step_s,
-            "tokens_per_s": devices * seq / step_s, "loss": loss, "first_step_s": first,
-            "peak_gib": max(stat(d, "peak_bytes_in_use") for d in local),
+    return {**info, "step_s": step_s, "tokens_per_s": info["devices"] * seq / step_s, "loss": loss,
+            "first_step_s": first, "peak_gib": max(stat(d, "peak_bytes_in_use") for d in local),
             "peak_gib_per_device": [stat(d, "peak_bytes_in_use") for d in local],
             "resident_gib_per_device": [stat(d, "bytes_in_use") for d in local]}
 

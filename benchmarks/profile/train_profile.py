@@ -1,8 +1,10 @@
 """Where the device time of one jqlora QLoRA training step goes, kernel by kernel.
 
     OUT=/tmp/out python -m benchmarks.profile.train_profile --shape 8b [--layers 32] [--steps 2]
+    OUT=/tmp/out python -m benchmarks.profile.train_profile --shape moe [--layers 48] [--optimizer adamw8bit]
 
-Builds the step of `benchmarks.train_bench` (same model, batch and optimizer), runs it twice to
+Builds the step of `benchmarks.train_bench` (same model, batch and optimizer; `--shape moe`: the
+Qwen3-30B-A3B-shaped step of `benchmarks.moe_bench`), runs it twice to
 warm up, then traces `--steps` steps with `jax.profiler` and sums the GPU kernel times of the
 Perfetto trace. Each kernel is put in a category (GEMM, dequant, attention, XLA fusion, ...);
 cuBLAS GEMMs are labelled with their operand shapes from the optimized HLO, so the frozen-weight
@@ -119,18 +121,30 @@ def main(argv=None):
     p.add_argument("--backend", default="auto")
     p.add_argument("--attention", default="cudnn")
     p.add_argument("--packed", action="store_true", help="pass segment ids (attention gets the (T, T) mask)")
+    p.add_argument("--optimizer", default="adamw", help="adamw or adamw8bit (make_optimizer)")
+    p.add_argument("--weights", default="nf4", help="nf4 or bf16: the base weights (train_bench --weights)")
     a = p.parse_args(argv)
 
     import jax
 
-    from benchmarks.train_bench import build_jax
-    from jqlora.train.step import train_step
+    if a.shape == "moe":
+        from benchmarks import moe_bench
 
-    model, opt, batch = build_jax(a.shape, a.seq, a.backend, a.attention, layers=a.layers)
-    if not a.packed:  # as train_bench: one unpacked sequence per row unless --packed
-        del batch["segment_ids"]
-    step = train_step.bind(model, opt)
-    hlo = step.lower(batch).compile().as_text()
+        side = moe_bench.build_jax(moe_bench.config(False, a.layers), a.seq, False, optimizer=a.optimizer)
+        step, batch = side.run, side.batch
+    else:
+        from benchmarks.train_bench import build_jax
+        from jqlora.train.step import train_step
+
+        model, opt, batch = build_jax(a.shape, a.seq, a.backend, a.attention, layers=a.layers, optimizer=a.optimizer,
+                                      weights=a.weights)
+        if not a.packed:  # as train_bench: one unpacked sequence per row unless --packed
+            del batch["segment_ids"]
+        step = train_step.bind(model, opt)
+    compiled = step.lower(batch).compile()
+    hlo, ma = compiled.as_text(), compiled.memory_analysis()
+    plan = {k: round(getattr(ma, f"{k}_size_in_bytes", 0) / 2**30, 3)
+            for k in ("argument", "output", "alias", "temp", "generated_code")} if ma is not None else {}
     for _ in range(2):
         jax.block_until_ready(step(batch)["loss"])
     times = []
@@ -147,16 +161,21 @@ def main(argv=None):
             trace = json.load(f)
     events = kernel_events(trace)
     res = summarize(events, hlo_lines(hlo), a.steps, lora_rank=16)
-    res.update(shape=a.shape, layers=a.layers, seq=a.seq, steps=a.steps, attention=a.attention, packed=a.packed,
+    stats = jax.devices()[0].memory_stats() or {}
+    res.update(shape=a.shape, layers=a.layers, optimizer=a.optimizer,
+               peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, compiled_gib=plan, weights=a.weights,
+               seq=a.seq, steps=a.steps, attention=a.attention, packed=a.packed,
                wall_step_s=[round(t, 4) for t in times], device=jax.devices()[0].device_kind,
                jax=jax.__version__, kernel_events=len(events))
     out_dir = os.environ.get("OUT", "/tmp")
-    tag = f"{a.shape}" + (f"_{a.layers}l" if a.layers else "")
+    tag = f"{a.shape}" + (f"_{a.layers}l" if a.layers else "") + ("" if a.weights == "nf4" else f"_{a.weights}") \
+        + ("" if a.optimizer == "adamw" else f"_{a.optimizer}")
     with open(os.path.join(out_dir, f"train_profile_{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
     with gzip.open(os.path.join(out_dir, f"train_profile_{tag}.hlo.txt.gz"), "wt") as f:
         f.write(hlo)
-    print(f"device time per step {res['total_us'] / 1e3:.1f} ms (wall {min(times) * 1e3:.1f} ms), {len(events)} kernels")
+    print(f"device time per step {res['total_us'] / 1e3:.1f} ms (wall {min(times) * 1e3:.1f} ms), {len(events)} kernels, "
+          f"peak {res['peak_gib']:.2f} GiB, compiled plan (GiB) {plan}")
     for cat, us in res["by_category_us"].items():
         print(f"  {cat:18s} {us / 1e3:8.2f} ms  {100 * us / res['total_us']:5.1f}%")
     for row in res["top_kernels"][:30]:

@@ -7,7 +7,8 @@ for tokens already sorted by expert (`group_sizes` rows per expert, in order). T
 whose backward dequantizes again (no dense stack kept). The LoRA factors are stacked per expert:
 A (E, r, K) and B (E, N, r), `nnx.LoRAParam`s in float32, one scale for all experts (PEFT's
 `target_parameters` LoRA, `ParamWrapper`); their products run per tile of one expert's rows
-(`grouped_lora`), differentiated with respect to both factors by autodiff.
+(`grouped_lora`), differentiated with respect to both factors by autodiff (gathers and matmuls:
+no scatter-add in the backward).
 
 `Router` is the mixture's gate: a dense `QLoRALinear` that never holds a quantized weight, and that
 `apply_lora` targets only when it is named (PEFT's "all-linear" does not reach it either).
@@ -25,6 +26,7 @@ from flax import nnx
 from jqlora import quant
 from jqlora.lora.linear import QLoRALinear, QuantizedBase, lora_scale
 from jqlora.ops.qgmm import qgmm
+from jqlora.ops.rows import take_rows
 
 
 class Router(QLoRALinear):
@@ -40,15 +42,17 @@ def peft_expert_lora_a_init(key, num_experts: int, rank: int, in_features: int, 
 
 
 def _tile_rows(group_sizes: jax.Array, m: int):
-    """The rows of tokens sorted by expert laid out as tiles of one expert each: (rows (n, t) of
-    source row indices, M where a tile runs past its group; experts (n,) of each tile). n and t are
+    """The rows of tokens sorted by expert laid out as tiles of one expert each: (rows (n * t,) the
+    source row of each tile slot, M where a tile runs past its group; slots (M,) the tile slot of
+    each row, n * t for rows past the groups' sum; experts (n,) of each tile; t). n and t are
     static: t = a power of two near M / E (8 to 128), n = M // t + E (each group adds at most one
     partial tile), so a padded layout costs at most E * t extra rows."""
     e = group_sizes.shape[0]
     t = int(min(128, max(8, 1 << max(0, math.ceil(math.log2(max(1, -(-m // e))))))))
     n = m // t + e
     sizes = group_sizes.astype(jnp.int32)
-    starts = jnp.cumsum(sizes) - sizes
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
     tiles = -(-sizes // t)
     tile_starts = jnp.cumsum(tiles) - tiles
     tile = jnp.arange(n, dtype=jnp.int32)
@@ -56,25 +60,41 @@ def _tile_rows(group_sizes: jax.Array, m: int):
     offset = (tile - tile_starts[expert]) * t
     within = offset[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = (within < sizes[expert][:, None]) & (tile < jnp.sum(tiles))[:, None]
-    rows = jnp.where(valid, starts[expert][:, None] + within, m)
-    return rows, expert
+    rows = jnp.where(valid, starts[expert][:, None] + within, m).reshape(-1)
+    row = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.clip(jnp.searchsorted(ends, row, side="right"), 0, e - 1).astype(jnp.int32)
+    at = row - starts[group]
+    slots = jnp.where(row < ends[-1], (tile_starts[group] + at // t) * t + at % t, n * t).astype(jnp.int32)
+    # materialized: fused into the gathers that use them, these few integer ops per row would run
+    # once per element (a GPU spent about 0.7 ms a layer so in a Qwen3-30B-A3B-shaped step)
+    rows, slots, expert = jax.lax.optimization_barrier((rows, slots, expert))
+    return rows, slots, expert, t
+
+
+def _per_tile(stack: jax.Array, expert: jax.Array) -> jax.Array:
+    """stack[expert] (one expert's factor per tile), computed as a one-hot product: its transpose,
+    the factors' gradient summed over each expert's tiles, is then a matmul too, not a scatter-add.
+    Exact: one nonzero term per output, accumulated in float32."""
+    onehot = jax.nn.one_hot(expert, stack.shape[0], dtype=stack.dtype)
+    return jnp.einsum("ne,e...->n...", onehot, stack, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32).astype(stack.dtype)
 
 
 def grouped_lora(xs: jax.Array, group_sizes: jax.Array, lora_a: jax.Array, lora_b: jax.Array) -> jax.Array:
     """Per expert e: (xs[rows of e] @ A_e.T) @ B_e.T for xs (M, K) sorted by expert, A (E, r, K), B
     (E, N, r); float32 accumulation, xs' dtype out, rows past sum(group_sizes) zero.
 
-    The rows are gathered into tiles of one expert each and multiplied by that expert's factors as a
-    batched matmul (a dense product of the rank-r factors per tile, and their gradients by autodiff:
-    gathers and scatter-adds), not through `jax.lax.ragged_dot`, which a GPU runs as a dense
-    expansion over all E experts."""
+    The rows are moved into tiles of one expert each and multiplied by that expert's factors as a
+    batched matmul (a dense product of the rank-r factors per tile), not through
+    `jax.lax.ragged_dot`, which a GPU runs as a dense expansion over all E experts. Gradients by
+    autodiff; the row moves are `take_rows` and the per-tile factors one-hot products, so the
+    backward has gathers and matmuls but no scatter-adds."""
     m = xs.shape[0]
-    rows, expert = _tile_rows(group_sizes, m)
-    padded = jnp.concatenate([xs, jnp.zeros((1, xs.shape[1]), xs.dtype)])[rows]  # (n, t, K)
-    u = jnp.einsum("ntk,nrk->ntr", padded, lora_a[expert], preferred_element_type=jnp.float32)
-    v = jnp.einsum("ntr,nmr->ntm", u.astype(xs.dtype), lora_b[expert], preferred_element_type=jnp.float32)
-    out = jnp.zeros((m + 1, v.shape[-1]), jnp.float32).at[rows.reshape(-1)].add(v.reshape(-1, v.shape[-1]))
-    return out[:m].astype(xs.dtype)
+    rows, slots, expert, t = _tile_rows(group_sizes, m)
+    padded = take_rows(xs, rows, slots).reshape(-1, t, xs.shape[1])  # (n, t, K)
+    u = jnp.einsum("ntk,nrk->ntr", padded, _per_tile(lora_a, expert), preferred_element_type=jnp.float32)
+    v = jnp.einsum("ntr,nmr->ntm", u.astype(xs.dtype), _per_tile(lora_b, expert), preferred_element_type=jnp.float32)
+    return take_rows(v.reshape(-1, v.shape[-1]).astype(xs.dtype), slots, rows)
 
 
 class QLoRAExperts(nnx.Module):

@@ -10,7 +10,8 @@ Experts (`MoEBlock.__call__`): the (token, slot) pairs are sorted by expert (a s
 transformers' `grouped_mm` path does), each expert's rows run gate_up -> SwiGLU -> down through the
 grouped 4-bit product (`QLoRAExperts`, `jqlora.ops.qgmm`), each row is scaled by its routing
 weight, the rows are put back in token order and the k of a token summed in float32, then rounded
-once to the compute dtype.
+once to the compute dtype. The moves between token and expert order are `jqlora.ops.rows.take_rows`,
+whose backward is a gather (a GPU runs the scatter-add of `x[index]`'s backward with atomics).
 
 The gate_up stack holds the gate rows first, then the up rows (transformers' fused layout).
 `load_balancing_loss` is transformers' `load_balancing_loss_func` (Switch Transformer, eq. 4-6).
@@ -25,6 +26,7 @@ from flax import nnx
 
 from jqlora.lora.experts import QLoRAExperts, Router
 from jqlora.models.config import ModelConfig
+from jqlora.ops.rows import inverse_permutation, take_rows
 
 
 def route(logits: jax.Array, top_k: int, *, normalize: bool, weights_f32: bool):
@@ -111,10 +113,13 @@ class MoEBlock(nnx.Module):
             y = y * weights.reshape(-1)[:, None]
             return jnp.sum(y.reshape(n, k, -1).astype(jnp.float32), axis=1).astype(y.dtype).astype(flat.dtype)
         order = jnp.argsort(ids, stable=True)          # (token, slot) pairs grouped by expert
+        where = inverse_permutation(order)              # each pair's row in expert order
+        order, where = jax.lax.optimization_barrier((order, where))  # indices made once, not per element
         group_sizes = jnp.bincount(ids, length=self.num_experts).astype(jnp.int32)
-        y = self.experts(flat[order // k], group_sizes)  # (N*k, H), sorted
-        y = y * weights.reshape(-1)[order][:, None]      # Mixtral: float32 weights promote the product
-        y = y[jnp.argsort(order)]                        # back to (token, slot) order
+        # one-to-one moves (take_rows: their gradients are gathers, not scatter-adds)
+        y = self.experts(take_rows(jnp.repeat(flat, k, axis=0), order, where), group_sizes)  # (N*k, H), sorted
+        y = y * take_rows(weights.reshape(-1), order, where)[:, None]  # Mixtral: float32 weights promote
+        y = take_rows(y, where, order)                  # back to (token, slot) order
         return jnp.sum(y.reshape(n, k, -1).astype(jnp.float32), axis=1).astype(y.dtype).astype(flat.dtype)
 
 

@@ -180,7 +180,8 @@ def qmatmul(
     x2 = x.reshape(-1, k).astype(cd)  # the one place where N-D inputs become 2-D
     m = x2.shape[0]
     if not quantized:
-        q = jax.lax.stop_gradient(jnp.asarray(q)).astype(cd)
+        q = jnp.asarray(q).astype(cd)  # no stop_gradient: the custom_vjp gives W no cotangent, and a new
+        # value here would be saved per layer by a scan over layers (a copy of every dense weight)
     # under a training mesh each device multiplies its own rows by the whole weight (jqlora.parallel)
     local = sharding.local_rows(m)
     if numerics == "fp8" and local < FP8_MIN_ROWS:

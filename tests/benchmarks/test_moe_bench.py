@@ -65,3 +65,17 @@ def test_target_modules_and_mesh_options_are_checked():
         with pytest.raises(SystemExit) as e:
             moe_bench.main(["--side", "jax", "--tiny", *argv])
         assert e.value.code == 2, argv
+
+
+def test_the_jqlora_side_runs_the_library_step_with_its_state_donated():
+    """One device runs `jqlora train`'s step (jqlora.train.step.train_step), not a step of its own: the
+    LoRA params going in are donated (updated in place), which is what keeps the peak of the 48-layer
+    model at its state and weights."""
+    from flax import nnx
+
+    side = moe_bench.build_jax(moe_bench.config(tiny=True, layers=1), seq=16, tiny=True)
+    assert side.mesh is None and side.info["devices"] == 1
+    before = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(side.model, nnx.LoRAParam))]
+    out = side.run(side.batch)
+    assert math.isfinite(float(out["loss"])) and bool(out["ok"])
+    assert before and all(x.is_deleted() for x in before)
