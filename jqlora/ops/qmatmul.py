@@ -51,7 +51,7 @@ def _weight_forward(st: _Static, x, q):
         return forward_fp8(st.plan, x, q, out_dtype=st.out_dtype)
     if isinstance(q, (Weight4bit, Int8Weight)):
         return forward_product(st.plan, x, q, out_dtype=st.out_dtype, numerics=st.numerics)
-    return dot_nt(x, q).astype(st.out_dtype)
+    return dot_nt(x, q.astype(x.dtype)).astype(st.out_dtype)
 
 
 def _weight_backward(st: _Static, dy, q, out_dtype):
@@ -63,7 +63,7 @@ def _weight_backward(st: _Static, dy, q, out_dtype):
         return backward_fp8(st.plan, dy, q, out_dtype=out_dtype)
     if isinstance(q, (Weight4bit, Int8Weight)):
         return backward_product(st.plan, dy, q, out_dtype=out_dtype)
-    return dot_nn(dy, q).astype(out_dtype)
+    return dot_nn(dy, q.astype(dy.dtype)).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -180,8 +180,10 @@ def qmatmul(
     x2 = x.reshape(-1, k).astype(cd)  # the one place where N-D inputs become 2-D
     m = x2.shape[0]
     if not quantized:
-        q = jnp.asarray(q).astype(cd)  # no stop_gradient: the custom_vjp gives W no cotangent, and a new
-        # value here would be saved per layer by a scan over layers (a copy of every dense weight)
+        # as it is: no stop_gradient, no cast here (the custom_vjp casts to the compute dtype and gives
+        # W no cotangent). A new value made of W here would be what the backward keeps, and a scan
+        # over layers would save it per layer: a second copy of every dense weight.
+        q = jnp.asarray(q)
     # under a training mesh each device multiplies its own rows by the whole weight (jqlora.parallel)
     local = sharding.local_rows(m)
     if numerics == "fp8" and local < FP8_MIN_ROWS:

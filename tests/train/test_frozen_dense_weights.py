@@ -34,9 +34,11 @@ def _dense_params(dtype):
     return p
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_the_step_stacks_no_copy_of_the_dense_weights(remat):
-    model = from_params(_dense_params(jnp.bfloat16), CONFIG, compute_dtype=jnp.bfloat16, remat=remat,
+@pytest.mark.parametrize("remat,weights", [(False, "bfloat16"), (True, "bfloat16"), (False, "float32")])
+def test_the_step_stacks_no_copy_of_the_dense_weights(remat, weights):
+    """float32 weights under bf16 compute: the cast happens inside the product, so what the backward
+    keeps is still the weight the step was given."""
+    model = from_params(_dense_params(jnp.dtype(weights)), CONFIG, compute_dtype=jnp.bfloat16, remat=remat,
                         lora=LoraConfig(rank=4, alpha=8, target_modules="all-linear"))
     opt = nnx.Optimizer(model, make_optimizer(1e-3, 1, 10), wrt=nnx.LoRAParam)
     seq = 16
@@ -45,7 +47,7 @@ def test_the_step_stacks_no_copy_of_the_dense_weights(remat):
              "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (1, 1, seq))}
     text = train_step.bind(model, opt).lower(batch).as_text()
     layers = CONFIG["num_hidden_layers"]
-    stacked = [m.group(0) for m in re.finditer(r"tensor<(\d+)x(\d+)x(\d+)xbf16>", text)
+    stacked = [m.group(0) for m in re.finditer(r"tensor<(\d+)x(\d+)x(\d+)x(?:bf16|f32)>", text)
                if int(m.group(1)) == layers and (int(m.group(2)), int(m.group(3))) in SHAPES.values()]
     # the stacked weights themselves are the step's inputs; a residual copy is written slice by slice
     writes = [line for line in text.splitlines() if "dynamic_update_slice" in line
