@@ -31,9 +31,62 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
+
+# ---- one compilation cache a test session --------------------------------------------------
+# The test processes compile many identical programs (the same tiny models in many files, in both
+# xdist workers, and again after the mapping guard below clears the jit caches). JAX's persistent
+# cache, in a fresh directory per session, compiles each once. The controller creates the directory
+# before xdist starts its workers, which inherit its name through the environment, and removes it
+# at the end; a plain `pytest` without xdist is its own controller. The name is not JAX's own
+# variable, so the CLI's child processes run as the tests configure them (uncached).
+_CACHE_ENV = "JQLORA_TESTS_XLA_CACHE_DIR"
+_CACHE_OWNER_ENV = "JQLORA_TESTS_XLA_CACHE_OWNER_PID"
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    if not _is_worker(config) and os.environ.get(_CACHE_OWNER_ENV) is None:
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jqlora-tests-xla-")
+        os.environ[_CACHE_OWNER_ENV] = str(os.getpid())
+    directory = os.environ.get(_CACHE_ENV)
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if not _is_worker(config) and os.environ.get(_CACHE_OWNER_ENV) == str(os.getpid()):
+        shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
+        del os.environ[_CACHE_OWNER_ENV]
+
+
+# The library turns its lowered-program cache (jqlora.lowered_cache) on with JAX's persistent cache;
+# the session's cache above is not the library's, so in-process tests keep the library's default
+# path (no lowered-program cache) unless a test points the lowered cache at a directory itself
+# (tests/models/test_lowered_cache.py does).
+from jqlora import lowered_cache as _lowered_cache  # noqa: E402
+
+_library_cache_dir = _lowered_cache.cache_dir
+
+
+def _cache_dir_without_the_sessions():
+    directory = _library_cache_dir()
+    session = os.environ.get(_CACHE_ENV)
+    if directory is not None and session and Path(directory).parent == Path(session):
+        return None
+    return directory
+
+
+_lowered_cache.cache_dir = _cache_dir_without_the_sessions
 
 
 @pytest.fixture
