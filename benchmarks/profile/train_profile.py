@@ -124,6 +124,9 @@ def main(argv=None):
     p.add_argument("--optimizer", default="adamw", help="adamw or adamw8bit (make_optimizer)")
     p.add_argument("--weights", default="nf4", help="nf4 or bf16: the base weights (train_bench --weights)")
     a = p.parse_args(argv)
+    if a.shape == "moe" and (a.weights, a.backend, a.attention, a.packed) != ("nf4", "auto", "cudnn", False):
+        p.error("--shape moe builds moe_bench's step (NF4, the CLI's attention and kernels, unpacked rows): "
+                "--weights, --backend, --attention and --packed do not apply")
 
     import jax
 

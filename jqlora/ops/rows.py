@@ -35,11 +35,10 @@ def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
 
 
 def _fwd(x, index, inverse):
-    return _with_zero_row(x)[index], (index, inverse)
+    return take_rows(x, index, inverse), inverse
 
 
-def _bwd(res, g):
-    index, inverse = res
+def _bwd(inverse, g):
     return _with_zero_row(g)[inverse], None, None
 
 
