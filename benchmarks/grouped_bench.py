@@ -13,7 +13,9 @@ moe_intermediate 768: gate/up (N=768, K=2048) and down (N=2048, K=768). Contende
 - `upstream ragged_dot_mgpu bf16` (Hopper): JAX's Pallas example kernel, block 128/128/64,
   4 stages, grid_block_n 2 (docs: MODEL_FAMILIES A5), forward only;
 - `triton grouped_dot_4bit nf4` / `triton grouped_dot bf16` (any GPU): the Triton grouped
-  kernels (the 4-bit one decoding tiles in registers), forward only.
+  kernels (the 4-bit one decoding tiles in registers), forward only; with `--triton-configs
+  "block_m=128,num_warps=8;method=select"` also the 4-bit forward and its backward kernel
+  (`grouped_dot_4bit_t`, dx = dy @ W_e: `dx_ms`) at each of those keyword overrides.
 Ratios are over `qgmm bf16 auto` (the bf16 grouped matmul; issue target: NF4 <= 1.3x).
 Device times come from `benchmarks.timing.jax_device_ms` (CUPTI kernel sums); `--tiny` uses
 wall time. Writes <out>/<gpu>-<date><tag>_grouped.json with device, date, commit and versions.
@@ -46,8 +48,29 @@ def routing(tokens: int, top_k: int, experts: int, seed: int = 0) -> np.ndarray:
     return np.bincount(picks.reshape(-1), minlength=experts).astype(np.int32)
 
 
-def contenders(on_hopper: bool):
-    """name -> (weight kind, fn(x, group_sizes, w) -> y)."""
+def parse_configs(spec: str | None) -> list[dict]:
+    """ "block_m=128,num_warps=8;method=select" -> [{"block_m": 128, "num_warps": 8}, {"method": "select"}]."""
+    out = []
+    for part in (spec or "").split(";"):
+        if not part.strip():
+            continue
+        cfg = {}
+        for item in part.split(","):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--triton-configs: {item!r} is not key=value")
+            value = value.strip()
+            cfg[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
+        out.append(cfg)
+    return out
+
+
+def _config_text(cfg: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def contenders(on_hopper: bool, triton_configs=()):
+    """name -> (weight kind, fn(x, group_sizes, w) -> y); a name with "_t " takes dy (the dx product)."""
     c = {
         "qgmm nf4 auto": ("nf4", lambda x, g, w: ops.qgmm(x, g, w)),
         "qgmm nf4 xla": ("nf4", lambda x, g, w: ops.qgmm(x, g, w, backend="xla")),
@@ -60,17 +83,21 @@ def contenders(on_hopper: bool):
     if jax.default_backend() == "gpu":  # the Triton grouped kernels, forward alone
         c["triton grouped_dot_4bit nf4"] = ("nf4", _triton("grouped_dot_4bit"))
         c["triton grouped_dot bf16"] = ("bf16_raw", _triton("grouped_dot"))
+        for cfg in triton_configs:
+            c[f"triton grouped_dot_4bit nf4 {_config_text(cfg)}"] = ("nf4", _triton("grouped_dot_4bit", cfg))
+            c[f"triton grouped_dot_4bit_t nf4 {_config_text(cfg)}"] = ("nf4", _triton("grouped_dot_4bit_t", cfg))
     return c
 
 
-def _triton(name):
+def _triton(name, cfg=None):
     from jqlora.ops.qgmm import kernel_operands
     from pallas_kernels import registry
 
     fn = registry.get(name).fn
+    cfg = cfg or {}
     if name == "grouped_dot":
-        return lambda x, g, w: fn(x, g, w)
-    return lambda x, g, ex: fn(x, g, *kernel_operands(ex), blocksize=ex.blocksize)
+        return lambda x, g, w: fn(x, g, w, **cfg)
+    return lambda x, g, ex: fn(x, g, *kernel_operands(ex), blocksize=ex.blocksize, **cfg)
 
 
 _NT = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
@@ -110,7 +137,7 @@ def _time(f, args, tiny: bool, iterations: int) -> float:
     return (time.perf_counter() - t0) / iterations * 1e3
 
 
-def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log=print) -> dict:
+def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log=print, triton_configs=()) -> dict:
     from jqlora.ops import dispatch, grouped_dispatch
 
     shape = TINY if tiny else dict(tokens=TOKENS, top_k=TOP_K, experts=EXPERTS, projections=PROJECTIONS)
@@ -127,7 +154,7 @@ def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log
         x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
         dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
         flops = 2 * m * n * k
-        for cname, (kind, fn) in contenders(hopper).items():
+        for cname, (kind, fn) in contenders(hopper, triton_configs).items():
             if only and only not in cname:
                 continue
             wt = weights[kind]
@@ -135,14 +162,17 @@ def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log
             if isinstance(wt, quant.ExpertWeights):
                 backend = cname.split()[-1] if "qgmm" in cname else "auto"
                 row["plan"] = str(grouped_dispatch.choose_grouped_plan(wt, m, backend, dtype="bfloat16"))
-            for label, f, args in (("fwd", _forward(fn, gs, wt), (x,)),
-                                   ("fwd_bwd", _forward_backward(fn, gs, wt), (x, dy))):
+            if "_t " in cname:  # the backward kernel alone: dx = dy @ W_e
+                timings = (("dx", _forward(fn, gs, wt), (dy,)),)
+            else:
+                timings = (("fwd", _forward(fn, gs, wt), (x,)), ("fwd_bwd", _forward_backward(fn, gs, wt), (x, dy)))
+            for label, f, args in timings:
                 if label == "fwd_bwd" and cname.startswith(("upstream", "triton")):
                     continue
                 try:
                     ms = _time(f, args, tiny, iterations)
                     row[f"{label}_ms"] = round(ms, 4)
-                    row[f"{label}_tflops"] = round(flops * (1 if label == "fwd" else 2) / ms / 1e9, 1)
+                    row[f"{label}_tflops"] = round(flops * (2 if label == "fwd_bwd" else 1) / ms / 1e9, 1)
                 except Exception as err:  # noqa: BLE001 - a contender that fails is a result too
                     row[f"{label}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
             log(json.dumps(row))
@@ -170,10 +200,17 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="run the contenders whose name contains this")
     p.add_argument("--out", default=None, help="folder for the JSON result (none: print only)")
     p.add_argument("--tag", default="")
+    p.add_argument("--triton-configs", default=None,
+                   help='keyword overrides of the Triton 4-bit grouped kernels, ";"-separated, e.g. '
+                        '"block_m=128,num_warps=8;method=select" (a GPU: forward and dx kernels at each)')
     a = p.parse_args(argv)
     from benchmarks.run import device_name, versions
 
-    res = bench(tiny=a.tiny, iterations=a.iterations, only=a.only)
+    try:
+        configs = parse_configs(a.triton_configs)
+    except ValueError as err:
+        p.error(str(err))
+    res = bench(tiny=a.tiny, iterations=a.iterations, only=a.only, triton_configs=configs)
     res.update(device=device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
                versions=versions(), argv=sys.argv[1:])
     if a.out:

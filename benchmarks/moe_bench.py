@@ -25,7 +25,8 @@ reports the median step time, tokens/s and peak device memory.
 devices as `jqlora train --mesh` runs them: the model built on the first device, then placed
 (expert stacks and their LoRA cut over fsdp, `jqlora.parallel.place_state`), one row of `--seq`
 tokens per device, the library's train step (`jqlora.train.step.train_step`) under the mesh;
-`resident_gib_per_device` is what each device holds after the steps (its peak includes the build
+`build_peak_gib` / `built_gib` are the peak and the bytes in use when the model is built, before the
+first step. `resident_gib_per_device` is what each device holds after the steps (its peak includes the build
 on the first device). The transformers side stays on one GPU. `--target-modules` names the LoRA
 targets: all-linear (attention and experts) or a list of q_proj, k_proj, v_proj, o_proj,
 gate_up_proj, down_proj.
@@ -184,10 +185,12 @@ def run_jax(c: dict, seq: int, steps: int, tiny: bool, *, mesh_spec: str | None 
 
     side = build_jax(c, seq, tiny, mesh_spec=mesh_spec, targets=targets, optimizer=optimizer)
     info, mesh = side.info, side.mesh
-    first, step_s, loss = time_steps(lambda: float(side.run(side.batch)["loss"]), steps)
     local = mesh.local_devices if mesh is not None else jax.devices()[:1]
     stat = lambda d, k: (d.memory_stats() or {}).get(k, 0) / 2**30  # noqa: E731
-    return {**info, "step_s": step_s, "tokens_per_s": info["devices"] * seq / step_s, "loss": loss,
+    built = {"build_peak_gib": max(stat(d, "peak_bytes_in_use") for d in local),
+             "built_gib": max(stat(d, "bytes_in_use") for d in local)}
+    first, step_s, loss = time_steps(lambda: float(side.run(side.batch)["loss"]), steps)
+    return {**info, **built, "step_s": step_s, "tokens_per_s": info["devices"] * seq / step_s, "loss": loss,
             "first_step_s": first, "peak_gib": max(stat(d, "peak_bytes_in_use") for d in local),
             "peak_gib_per_device": [stat(d, "peak_bytes_in_use") for d in local],
             "resident_gib_per_device": [stat(d, "bytes_in_use") for d in local]}

@@ -67,7 +67,9 @@ def grouped_tiles(group_sizes, m: int, block_m: int):
     count = jnp.where(ends > starts, last_block - first_block + 1, 0)
     cum = jnp.cumsum(count)
     t = jnp.arange(num, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(cum, t, side="right"), e - 1).astype(jnp.int32)
+    # against all E cumulative counts at once: one fused kernel, where the default binary search is a
+    # while loop of small kernels, run in every layer of a MoE step
+    group = jnp.minimum(jnp.searchsorted(cum, t, side="right", method="compare_all"), e - 1).astype(jnp.int32)
     block = first_block[group] + t - (cum[group] - count[group])
     lo = jnp.maximum(starts[group], block * block_m)
     hi = jnp.minimum(ends[group], block * block_m + block_m)
@@ -78,10 +80,17 @@ def grouped_tiles(group_sizes, m: int, block_m: int):
 
 @jax.jit
 def zero_rows_past_groups(y, group_sizes):
-    """y with the rows at or past sum(group_sizes) set to zero (kernels leave them unwritten)."""
+    """y with the rows at or past sum(group_sizes) set to zero (kernels leave them unwritten).
+
+    Nothing y-sized here is loop-invariant: inside a scan over layers, XLA hoists a loop-invariant
+    value out of the loop and keeps it for the whole loop, so a (rows, cols) iota and a broadcast
+    zero were two live y-sized buffers per product (336 MiB through the backward of a
+    Qwen3-30B-A3B-shaped step). The row index is a (rows, 1) column and the zero is made from
+    `total` (a float product, which XLA does not fold to a constant)."""
     total = jnp.sum(group_sizes.astype(jnp.int32))
-    rows = lax.broadcasted_iota(jnp.int32, y.shape, 0)
-    return jnp.where(rows < total, y, jnp.zeros((), y.dtype))
+    rows = lax.broadcasted_iota(jnp.int32, (y.shape[0],) + (1,) * (y.ndim - 1), 0)
+    zero = (total.astype(jnp.float32) * 0.0).astype(y.dtype)
+    return jnp.where(rows < total, y, zero)
 
 
 _RAGGED_NT = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),

@@ -26,3 +26,13 @@ def test_tiny_run_writes_rows_with_ratios(tmp_path, monkeypatch):
         assert "backend='xla'" in r["plan"]  # CPU: the jnp reference
     assert rows["qgmm bf16 auto"]["fwd_ratio"] == 1.0
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_triton_configs_parse_to_keyword_overrides():
+    assert grouped_bench.parse_configs("block_m=128,num_warps=8;method=select") == [
+        {"block_m": 128, "num_warps": 8}, {"method": "select"}]
+    assert grouped_bench.parse_configs(None) == [] and grouped_bench.parse_configs(" ; ") == []
+    import pytest
+
+    with pytest.raises(ValueError, match="block_m"):
+        grouped_bench.parse_configs("block_m")

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 
 from ir_fingerprint import lowered_modules
 from pallas_kernels import registry
-from pallas_kernels.reference.grouped import grouped_tiles
+from pallas_kernels.reference.grouped import grouped_tiles, zero_rows_past_groups
 
 GROUPED = registry.grouped_variants()
 ON_GPU = jax.default_backend() == "gpu"
@@ -93,6 +94,54 @@ def test_schedule_covers_each_row_once(e, m, block_m, data):
     assert schedule_problems(tiles, gs, m, block_m) == []
 
 
+def loop_invariant_full_size_values(fn, y, *args) -> list[str]:
+    """The primitives in fn's jaxpr (nested calls too) that make a y-shaped value depending on none
+    of fn's inputs: an iota, a broadcast constant. Inside a scan over layers XLA hoists such a
+    value out of the loop and keeps it live for the whole loop (a y-sized buffer per product)."""
+
+    def walk(jaxpr, depends_in) -> list[str]:
+        depends = dict(zip(jaxpr.invars, depends_in))
+        found = []
+        for eqn in jaxpr.eqns:
+            ins = [not isinstance(v, jax.extend.core.Literal) and depends.get(v, False) for v in eqn.invars]
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found += walk(sub, ins)
+            for out in eqn.outvars:
+                depends[out] = any(ins)
+                if not any(ins) and tuple(out.aval.shape) == tuple(y.shape):
+                    found.append(str(eqn.primitive))
+        return found
+
+    closed = jax.make_jaxpr(fn)(y, *args)
+    return walk(closed.jaxpr, [True] * len(closed.jaxpr.invars))
+
+
+def test_zeroing_rows_past_the_groups_makes_no_loop_invariant_full_size_value():
+    y = jnp.ones((96, 40), jnp.bfloat16)
+    gs = jnp.asarray([30, 0, 50], jnp.int32)
+    assert loop_invariant_full_size_values(zero_rows_past_groups, y, gs) == []
+    got = np.asarray(zero_rows_past_groups(y * jnp.nan, gs), np.float32)
+    assert np.isnan(got[:80]).all() and (got[80:] == 0).all()  # unwritten rows (NaN) past the groups -> 0
+
+    def hoistable(y, group_sizes):  # the row index and the zero as constants: both y-sized
+        rows = jax.lax.broadcasted_iota(jnp.int32, y.shape, 0)
+        return jnp.where(rows < jnp.sum(group_sizes), y, jnp.zeros((), y.dtype))
+
+    assert len(loop_invariant_full_size_values(hoistable, y, gs)) == 2
+
+
+def test_the_tile_schedules_run_no_loop():
+    """The schedules are computed in every MoE layer, forward and backward: a binary search there
+    (jnp.searchsorted's default) is a while loop of small kernels and copies on a GPU."""
+    from jqlora.lora.experts import _tile_rows
+
+    gs = jnp.asarray([5, 0, 130, 1], jnp.int32)
+    for name, fn in (("grouped_tiles", lambda g: grouped_tiles(g, 140, 64)),
+                     ("_tile_rows", lambda g: _tile_rows(g, 140)[:3])):
+        text = str(jax.make_jaxpr(fn)(gs))
+        assert "while[" not in text and "scan[" not in text, f"{name} runs a loop"
+
+
 def test_planted_bug_in_the_schedule_is_caught():
     gs, m, bm = [5, 0, 130, 1], 140, 64
     tiles = np.array(grouped_tiles(jnp.asarray(gs, jnp.int32), m, bm))
@@ -149,6 +198,25 @@ def test_variant_matches_its_reference(name, case):
     assert got.shape == want.shape and got.dtype == jnp.float32
     _assert_close(got, want, args[0], f"{name} {case}")
     assert not np.asarray(got[sum(gs):]).any(), f"{name} {case}: rows past the groups not zero"
+
+
+TRITON_4BIT_CONFIGS = (  # the tuning keywords grouped_bench sweeps: tiles, warps, stages, decode method
+    dict(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+    dict(block_m=32, block_n=32, block_k=32, method="select"),
+)
+
+
+@pytest.mark.parametrize("cfg", TRITON_4BIT_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("name", ["grouped_dot_4bit", "grouped_dot_4bit_t"])
+def test_triton_4bit_kernels_match_the_reference_at_other_tiles(name, cfg):
+    """Column / contraction tiles wider than the 64-scale block and narrower than it, row blocks
+    larger than a whole group, and the select-tree decode give the reference's product too."""
+    v = registry.get(name)
+    _, e, n, k, gs, m = CASES[0]
+    args, kw, _ = _operands(v, e, n, k, gs, m)
+    assert set(cfg) <= set(v.default_config(m, n, k, 64))
+    got = v.fn(*args, **kw, **cfg, out_dtype=jnp.float32, interpret=INTERPRET)
+    _assert_close(got, _reference(v, args, kw), args[0], f"{name} {cfg}")
 
 
 SM90 = [v.name for v in GROUPED if v.platform == "sm90"]
@@ -236,6 +304,11 @@ def test_metadata_is_valid():
         assert v.supports(16384, 768, 2048, 64) and v.supports(16384, 2048, 768, 64), v.name  # Qwen3-30B-A3B
         if v.default_config is not None:
             cfg = v.default_config(16384, 768, 2048, 64)
+            if v.config_type is None:  # keyword configuration: keywords the kernel takes, its defaults
+                params = inspect.signature(v.fn).parameters
+                assert isinstance(cfg, dict) and cfg, v.name
+                assert all(k in params and params[k].default == value for k, value in cfg.items()), (v.name, cfg)
+                continue
             assert isinstance(cfg, v.config_type), v.name
             n_out, kc = (768, 2048) if v.op in FORWARD_OPS else (2048, 768)
             assert _module(v).shape_problem(16384, n_out, kc, 64, cfg) is None, v.name
