@@ -39,8 +39,9 @@ SIXTEEN_BIT = ("bfloat16", "float16")
 # What a rule can require, beyond its M range and its variant's supports():
 #   "any":               every device the kernel backend runs on (a GPU, or interpret mode)
 #   "sm90 and 16-bit x": a Hopper GPU whose jax runs Mosaic GPU, and bfloat16/float16 operands
+#   "gpu and 16-bit x":  any GPU (Triton kernels), and bfloat16/float16 operands
 #   "auto backend":      the caller asked for "auto" (a measured preference, not a capability)
-REQUIREMENTS = ("any", "sm90 and 16-bit x", "auto backend")
+REQUIREMENTS = ("any", "sm90 and 16-bit x", "gpu and 16-bit x", "auto backend")
 KINDS = ("4bit", "int8", "llm_int8")
 PRODUCTS = ("fwd", "bwd")
 # The registry op each (weight kind, product) row must implement.
@@ -223,6 +224,8 @@ def requirement_holds(requires: str, device: Device, dtype: str | None, auto: bo
         return True
     if requires == "sm90 and 16-bit x":
         return dtype in SIXTEEN_BIT and device.sm90
+    if requires == "gpu and 16-bit x":
+        return dtype in SIXTEEN_BIT and device.platform == "gpu"
     return auto  # "auto backend"
 
 

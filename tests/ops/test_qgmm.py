@@ -371,26 +371,30 @@ HOPPER, GPU, CPU = dispatch.Device("gpu", sm90=True), dispatch.Device("gpu"), di
 def test_grouped_plans_follow_the_table():
     qwen = dict(m=16384, n=768, k=2048, experts=128)
     kernels = dispatch.Plan("pallas", "mgpu_grouped_dot", "mgpu_grouped_dot_t")
+    # other GPUs: the Triton grouped kernels on a dequantized stack, not XLA's dense expansion
+    triton_dense = dispatch.Plan("pallas", "grouped_dot", "grouped_dot_t")
     for weight in ("nf4", "fp4", "int8", "dense"):
         assert grouped_dispatch.explain_grouped(weight, **qwen, device=HOPPER).plan == kernels, weight
-        assert grouped_dispatch.explain_grouped(weight, **qwen, device=GPU).plan == dispatch.Plan("xla"), weight
+        assert grouped_dispatch.explain_grouped(weight, **qwen, device=GPU).plan == triton_dense, weight
         assert grouped_dispatch.explain_grouped(weight, **qwen, device=CPU).plan == dispatch.Plan("xla"), weight
         f32 = grouped_dispatch.explain_grouped(weight, **qwen, dtype="float32", device=HOPPER)
         assert f32.plan == dispatch.Plan("xla"), weight
     odd = grouped_dispatch.explain_grouped("nf4", 64, 96, 2048, 8, device=HOPPER)
-    assert odd.plan == dispatch.Plan("xla")
+    assert odd.plan == triton_dense  # a shape the Hopper kernel declines goes to the Triton one
     assert ("fwd", "mgpu_grouped_dot", "supports() declines M=64, N=96, K=2048, blocksize=64") in odd.rows
     text = str(grouped_dispatch.explain_grouped("nf4", **qwen, device=HOPPER))
     assert "pallas_kernels/mosaic/grouped_mgpu.py" in text and "chosen" in text
     with pytest.raises(dispatch.BackendError, match="needs a GPU"):
         grouped_dispatch.explain_grouped("nf4", **qwen, device=CPU, backend="pallas")
     triton = dispatch.Plan("pallas", "grouped_dot_4bit", "grouped_dot_4bit_t")
-    assert grouped_dispatch.explain_grouped("nf4", **qwen, device=GPU, backend="pallas").plan == triton
+    assert grouped_dispatch.explain_grouped("nf4", **qwen, device=GPU, backend="pallas").plan == triton_dense
     f32 = grouped_dispatch.explain_grouped("nf4", **qwen, dtype="float32", device=HOPPER, backend="pallas")
-    assert f32.plan == triton
+    assert f32.plan == triton  # 32-bit x: only the in-register decode takes it
     interp = grouped_dispatch.explain_grouped("nf4", **qwen, device=HOPPER, backend="interpret")
-    assert interp.plan == dispatch.Plan("interpret", "grouped_dot_4bit", "grouped_dot_4bit_t")
+    assert interp.plan == dispatch.Plan("interpret", "grouped_dot", "grouped_dot_t")
     assert ("fwd", "mgpu_grouped_dot", "no interpret mode") in interp.rows
+    interp_cpu = grouped_dispatch.explain_grouped("nf4", **qwen, device=CPU, backend="interpret")
+    assert interp_cpu.plan == dispatch.Plan("interpret", "grouped_dot_4bit", "grouped_dot_4bit_t")
     assert grouped_dispatch.explain_grouped("dense", **qwen, device=CPU, backend="interpret").plan == dispatch.Plan(
         "interpret", "grouped_dot", "grouped_dot_t")
     with pytest.raises(ValueError, match="unknown weight"):
@@ -413,11 +417,11 @@ def test_choose_grouped_plan_reads_the_stack_and_the_variant():
 
 
 def test_every_grouped_row_is_reachable():
-    """Each row of GROUPED_RULES is the chosen one for some M, dtype and backend on a Hopper GPU."""
+    """Each row of GROUPED_RULES is the chosen one for some M, dtype and backend on a GPU."""
     kinds = {"4bit": "nf4", "int8": "int8", "dense": "dense"}
     for r in grouped_dispatch.GROUPED_RULES:
-        e = [grouped_dispatch.explain_grouped(kinds[r.weight], m, 768, 2048, 128, dtype=dt, device=HOPPER, backend=b)
-             for m in (0, 4096) for dt in ("bfloat16", "float32") for b in ("auto", "pallas")]
+        e = [grouped_dispatch.explain_grouped(kinds[r.weight], m, 768, 2048, 128, dtype=dt, device=d, backend=b)
+             for m in (0, 4096) for dt in ("bfloat16", "float32") for b in ("auto", "pallas") for d in (HOPPER, GPU)]
         assert any((r.product, r.variant or "xla", "chosen") in x.rows for x in e), r
 
 
