@@ -10,8 +10,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 # Two host devices so sharding tests have a real mesh on a CPU machine. Must precede jax import.
 # The tests compile hundreds of small programs and run each a few times: LLVM's optimisation passes
 # cost more there than they save (a third of the time of the training tests); numerics are
-# unchanged (no fast-math either way).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
+# unchanged (no fast-math either way). XLA's CPU fusion emitters (MLIR) take about twice as long
+# to compile a fusion as its classic LLVM IR emitters: without them the tiny models' tests take a
+# third less time, while a real model's step (SmolLM2-135M) runs slower (2.5 -> 4 s), a few seconds
+# of the suite. Results agree to the last bits (a transcendental or a reduction can round
+# differently): the child processes of the tests inherit XLA_FLAGS, so all compare like with like.
+# CPU runs only: a GPU run keeps the host's default emitters (and any jax without the flag).
+_XLA_FLAGS = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+    _XLA_FLAGS += " --xla_cpu_use_fusion_emitters=false"
+os.environ.setdefault("XLA_FLAGS", _XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JQLORA_COMPILE_CACHE", "0")  # in-process CLI tests never write the per-user cache

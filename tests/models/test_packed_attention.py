@@ -133,7 +133,10 @@ def test_packed_tables_give_the_mask_paths_loss_and_gradients(emulated_cudnn):
     assert n == n_ref == 24 + 20
     np.testing.assert_allclose(s, s_ref, rtol=1e-6)
     for a, b in zip(g, g_ref):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+        # the two attention paths sum in their own order: an entry that cancels to a small value
+        # carries the rounding of the large terms (a few float32 ulps of the leaf's largest entry)
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
     narrow = dict(batch)
     narrow["segment_lengths"], narrow["segment_offsets"] = pa.segment_runs(seg, 2)  # row 0 has 3
     assert np.isnan(sums_and_grads(cudnn, narrow)[0])

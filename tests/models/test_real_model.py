@@ -64,7 +64,9 @@ def trained(smollm2, tmp_path_factory):
     data = [{"text": f"Capital of {c}: {k}."} for c, k in
             [("France", "Paris"), ("Japan", "Tokyo"), ("Peru", "Lima"), ("Kenya", "Nairobi"),
              ("Chile", "Santiago"), ("Egypt", "Cairo"), ("Spain", "Madrid"), ("Italy", "Rome")]]
-    cfg = TrainConfig(seq_len=32, batch_size=4, steps=6, lr=2e-3, out_dir=str(out / "run"), save_every=0,
+    # each step dequantizes every NF4 weight of the 30 layers (about 2.5 s on a CPU core): 4 steps
+    # at lr 4e-3 bring the loss as far down as 6 at 2e-3 (7.65 -> 4.50); the rows fit in 16 tokens
+    cfg = TrainConfig(seq_len=16, batch_size=4, steps=4, lr=4e-3, out_dir=str(out / "run"), save_every=0,
                       log_every=1, packing=False, keep_checkpoints=1, progress=False)
     res = train(model, cfg, data=data, tokenizer=Tokenizer.from_file(str(smollm2.nf4 / "tokenizer.json")))
     save_adapter(out / "adapter", model, lora, base_model=str(smollm2.nf4))
@@ -74,7 +76,7 @@ def trained(smollm2, tmp_path_factory):
 def test_qlora_steps_lower_the_loss(trained):
     _, res, _ = trained
     losses = list(res.losses)
-    assert len(losses) == 6 and all(np.isfinite(losses))
+    assert len(losses) == 4 and all(np.isfinite(losses))
     assert np.mean(losses[-2:]) < 0.8 * losses[0], losses
 
 

@@ -91,11 +91,6 @@ def popen(argv, **env) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def finish(p: subprocess.Popen, timeout=120) -> tuple[int, str, str]:
-    out, err = p.communicate(timeout=timeout)
-    return p.returncode, out, err
-
-
 def wait_for(cond, what: str, p: subprocess.Popen | None = None, timeout=60.0):
     t0 = time.monotonic()
     while not cond():
@@ -193,18 +188,21 @@ def test_read_only_out_dir_exits_2(nf4_model, tmp_path, capsys):
 
 
 # ----------------------------------------------------------- kill -9 and resume; two writers, stale lock
-def test_kill_9_then_resume_is_bit_exact_and_a_second_writer_is_refused(nf4_model, tmp_path):
+def test_kill_9_then_resume_is_bit_exact_and_a_second_writer_is_refused(nf4_model, tmp_path, capsys):
     """Real subprocesses: run P1 (slow checkpoint writes) while a second `jqlora train` on the same
     out dir is refused (exit 2, naming the lock file and P1's pid); SIGKILL P1 inside a checkpoint
-    write; P2 --resume takes over the stale lock and is killed at a random point after its next
-    checkpoint; a last --resume finishes. The adapter and the loss curve equal an uninterrupted
-    run's bit for bit, every checkpoint on disk after a kill is complete and valid, and nothing
-    temporary (nor the lock file) is left."""
+    write; P2 --resume (slow checkpoint writes too) takes over the stale lock and is killed at a
+    random point after its next checkpoint; a last --resume continues from that checkpoint. The
+    adapter and the loss curve equal an uninterrupted run's bit for bit, every checkpoint on disk
+    after a kill is complete and valid, and nothing temporary (nor the lock file) is left. The
+    uninterrupted run, the refused writer and the last --resume run in this process
+    (`jqlora.cli.main`; the lock is a `flock`, which another open file in this process cannot take
+    either): a subprocess costs a JAX start-up and uncached compiles."""
     from jqlora.train import checkpoint as ckpt_mod
 
     steps = 6
     ref = tmp_path / "ref"
-    rc, _, err = finish(popen(train_args(nf4_model, ref, "--steps", steps, "--save-every", 1)))
+    rc, _, err = run_cli(capsys, *train_args(nf4_model, ref, "--steps", steps, "--save-every", 1))
     assert rc == 0, err
     run, ck, lock = tmp_path / "run", tmp_path / "run" / "checkpoints", tmp_path / "run" / LOCK_FILE
 
@@ -220,7 +218,7 @@ def test_kill_9_then_resume_is_bit_exact_and_a_second_writer_is_refused(nf4_mode
 
     p1 = popen(argv(), JQLORA_TEST_SLOW_SAVE_S=1.0)
     wait_for(lambda: lock.is_file() and lock.read_text().strip() == str(p1.pid), "P1's lock", p1)
-    rc, _, err = finish(popen(argv("--resume")))
+    rc, _, err = run_cli(capsys, *argv("--resume"))
     assert rc == 2 and "Traceback" not in err, err
     assert str(lock) in err and f"pid {p1.pid}" in err
     wait_for(lambda: ck.is_dir() and any(ck.glob(".step_*.tmp-*/" + ckpt_mod.ARRAYS_FILE)),
@@ -233,16 +231,18 @@ def test_kill_9_then_resume_is_bit_exact_and_a_second_writer_is_refused(nf4_mode
 
     rng = random.Random(int(os.environ.get("JQLORA_KILL_SEED", "0")))
     n0 = newest()
-    p2 = popen(argv("--resume"))
+    p2 = popen(argv("--resume"), JQLORA_TEST_SLOW_SAVE_S=0.5)  # slow writes: still running at the kill
     wait_for(lambda: newest() > n0 or p2.poll() is not None, f"P2's first checkpoint after step {n0}")
     time.sleep(rng.uniform(0.0, 0.3))
     p2.send_signal(signal.SIGKILL)
     _, err = p2.communicate()
     assert f"taking over the stale lock of pid {p1.pid}" in err, err
     check_complete()
+    n1 = newest()
+    assert n0 < n1 < steps, (n0, n1)  # the last run resumes mid-run: data position, RNG, optimizer
 
-    rc, _, err = finish(popen(argv("--resume")))
-    assert rc == 0, err
+    rc, text, err = run_cli(capsys, *argv("--resume"))
+    assert rc == 0 and f"resumed from step {n1}" in text, err
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (run / "adapter" / name).read_bytes() == (ref / "adapter" / name).read_bytes(), name
     losses = [ln.split(",")[:2] for ln in (run / "loss.csv").read_text().splitlines()]
