@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_WORKERS ?= 2
+# worksteal: each worker starts on a contiguous half (module fixtures built once) and takes the
+# other's remaining tests at the end, so no worker idles while the other finishes a long tail
 
 .PHONY: test demo venv bench tune clean
 
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal tests
 
 demo: $(STAMP)
 	$(VENV)/bin/jqlora demo
