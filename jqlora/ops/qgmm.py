@@ -107,7 +107,12 @@ def _qgmm(st: _Static, x, group_sizes, experts):
 
 
 def _qgmm_fwd(st, x, group_sizes, experts):
-    # residuals: the group sizes and the packed experts, never a dense expert stack
+    # residuals: the group sizes and the packed experts, never a dense expert stack. The experts
+    # saved are the ones tied to x (`after`): under remat the backward's dequantization then
+    # waits for x to be recomputed, so XLA cannot run it ahead of the layer's earlier products
+    # and keep two dense expert stacks alive at once (a Qwen3-30B-A3B-shaped step held the
+    # gate_up and down stacks together, 1.1 GiB, at its peak).
+    x, experts = after(x, experts)
     return _qgmm(st, x, group_sizes, experts), (group_sizes, experts)
 
 

@@ -12,6 +12,7 @@ import importlib
 import os
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -220,6 +221,63 @@ def test_no_dense_expert_stack_among_residuals(fmt):
     _, vjp = jax.vjp(lambda x: ops.qgmm(x, gs, ex), x)
     jaxpr = str(jax.make_jaxpr(vjp)(jnp.ones((8, 64), jnp.float32)))
     assert "ragged_dot_general" in jaxpr and "gather" in jaxpr or fmt == "int8"
+
+
+def _walk(jaxpr, deps: dict, found: list) -> None:
+    """Propagate `deps` (var -> the set of tagged inputs it is computed from) through `jaxpr`,
+    into called sub-jaxprs (pjit, custom_vjp); loops and other equations: each output from all
+    inputs. Appends (equation, deps of each operand) for every ragged_dot_general."""
+    def of(v):
+        return set() if isinstance(v, jax.extend.core.Literal) else deps.get(v, set())
+
+    for eqn in jaxpr.eqns:
+        ins = [of(v) for v in eqn.invars]
+        sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        sub = getattr(sub, "jaxpr", sub)
+        if eqn.primitive.name in ("pjit", "closed_call", "custom_vjp_call", "custom_jvp_call") and sub is not None \
+                and len(sub.invars) == len(eqn.invars):
+            inner = dict(zip(sub.invars, ins))
+            _walk(sub, inner, found)
+            for o, io in zip(eqn.outvars, sub.outvars):
+                deps[o] = set() if isinstance(io, jax.extend.core.Literal) else inner.get(io, set())
+            continue
+        if eqn.primitive.name == "ragged_dot_general":
+            found.append((eqn, ins))
+        reached = set().union(*ins)
+        for o in eqn.outvars:
+            deps[o] = reached
+
+
+def _backward_weight_depends_on_x(qgmm_fn) -> bool:
+    """In the gradient of sum(qgmm(x) * r), whether the backward grouped product's weight is
+    computed from x (r, the cotangent, does not depend on x)."""
+    ex = make_experts("nf4", 4, 64, 256)
+    gs = jnp.asarray([3, 0, 4, 1], jnp.int32)
+    x = jax.random.normal(jax.random.key(0), (8, 256), jnp.float32)
+    r = jnp.ones((8, 64), jnp.float32)
+    closed = jax.make_jaxpr(jax.grad(lambda x, r: jnp.sum(qgmm_fn(x, gs, ex) * r)))(x, r)
+    xv, rv = closed.jaxpr.invars
+    found = []
+    _walk(closed.jaxpr, {xv: {"x"}, rv: {"r"}}, found)
+    backward = [ins for _, ins in found if "r" in ins[0]]
+    assert len(found) == 2 and len(backward) == 1, f"expected a forward and a backward grouped product: {found}"
+    return "x" in backward[0][1]
+
+
+def test_backward_dequantization_waits_for_the_forward_input():
+    """The experts qgmm keeps for backward are tied to x, so the backward's dense stack is made
+    only once x exists: under remat, after the layer's earlier products are recomputed, not
+    hoisted beside their dense stacks (the MoE step's peak held two stacks at once)."""
+    assert _backward_weight_depends_on_x(ops.qgmm)
+
+
+def test_planted_bug_untied_residual_is_caught(monkeypatch):
+    """With the raw experts saved for backward (as before), the dependency check fails."""
+    def untied_fwd(st, x, group_sizes, experts):
+        return qgmm_mod._qgmm(st, x, group_sizes, experts), (group_sizes, experts)
+
+    monkeypatch.setattr(qgmm_mod._qgmm, "fwd", untied_fwd)
+    assert not _backward_weight_depends_on_x(ops.qgmm)
 
 
 def test_planted_bug_dense_stack_saved_for_backward_is_caught():
@@ -442,7 +500,8 @@ def test_interpret_backend_runs_the_triton_kernels_and_agrees_with_xla(fmt):
     gs = jnp.asarray([9, 0, 50], jnp.int32)
     x = jax.random.normal(jax.random.key(3), (70, 128), jnp.float32).astype(jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(4), (70, 32), jnp.float32)
-    plan = ops.choose_grouped_plan(ex, 70, "interpret", dtype="bfloat16")
+    # the plan CI runs (on a GPU the "gpu and 16-bit x" rows take the dense Triton kernel instead)
+    plan = ops.choose_grouped_plan(ex, 70, "interpret", dtype="bfloat16", device=dispatch.Device("cpu"))
     assert plan.fwd == ("grouped_dot_4bit" if fmt == "nf4" else "grouped_dot")
 
     def run(backend):
