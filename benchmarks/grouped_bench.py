@@ -12,10 +12,13 @@ moe_intermediate 768: gate/up (N=768, K=2048) and down (N=2048, K=768). Contende
 - `lax.ragged_dot bf16`: jax.lax.ragged_dot on the bf16 stack (XLA's lowering);
 - `upstream ragged_dot_mgpu bf16` (Hopper): JAX's Pallas example kernel, block 128/128/64,
   4 stages, grid_block_n 2 (docs: MODEL_FAMILIES A5), forward only;
+- `mosaic mgpu_grouped_dot_4bit[_t] nf4` (Hopper): the Mosaic kernels decoding the NF4 stack
+  themselves, the forward and (`_t`) dx alone;
 - `triton grouped_dot_4bit nf4` / `triton grouped_dot bf16` (any GPU): the Triton grouped
   kernels (the 4-bit one decoding tiles in registers), forward only; with `--triton-configs
   "block_m=128,num_warps=8;method=select"` also the 4-bit forward and its backward kernel
-  (`grouped_dot_4bit_t`, dx = dy @ W_e: `dx_ms`) at each of those keyword overrides.
+  (`grouped_dot_4bit_t`, dx = dy @ W_e: `dx_ms`) at each of those keyword overrides; with
+  `--mosaic-configs "compute_wgs=2"` the Mosaic 4-bit kernels at those `Grouped4bitConfig` settings.
 Ratios are over `qgmm bf16 auto` (the bf16 grouped matmul; issue target: NF4 <= 1.3x).
 Device times come from `benchmarks.timing.jax_device_ms` (CUPTI kernel sums); `--tiny` uses
 wall time. Writes <out>/<gpu>-<date><tag>_grouped.json with device, date, commit and versions.
@@ -69,7 +72,7 @@ def _config_text(cfg: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in cfg.items())
 
 
-def contenders(on_hopper: bool, triton_configs=()):
+def contenders(on_hopper: bool, triton_configs=(), mosaic_configs=()):
     """name -> (weight kind, fn(x, group_sizes, w) -> y); a name with "_t " takes dy (the dx product)."""
     c = {
         "qgmm nf4 auto": ("nf4", lambda x, g, w: ops.qgmm(x, g, w)),
@@ -80,16 +83,26 @@ def contenders(on_hopper: bool, triton_configs=()):
     }
     if on_hopper:
         c["upstream ragged_dot_mgpu bf16"] = ("bf16_raw", _upstream)
+        # the Mosaic kernels decoding the 4-bit stack themselves: forward, and dx alone
+        c["mosaic mgpu_grouped_dot_4bit nf4"] = ("nf4", _registered("mgpu_grouped_dot_4bit"))
+        c["mosaic mgpu_grouped_dot_4bit_t nf4"] = ("nf4", _registered("mgpu_grouped_dot_4bit_t"))
+        from pallas_kernels.mosaic.grouped_mgpu_4bit import Grouped4bitConfig
+
+        for cfg in mosaic_configs:
+            for name in ("mgpu_grouped_dot_4bit", "mgpu_grouped_dot_4bit_t"):
+                c[f"mosaic {name} nf4 {_config_text(cfg)}"] = ("nf4", _registered(name, {"config": Grouped4bitConfig(**cfg)}))
     if jax.default_backend() == "gpu":  # the Triton grouped kernels, forward alone
-        c["triton grouped_dot_4bit nf4"] = ("nf4", _triton("grouped_dot_4bit"))
-        c["triton grouped_dot bf16"] = ("bf16_raw", _triton("grouped_dot"))
+        c["triton grouped_dot_4bit nf4"] = ("nf4", _registered("grouped_dot_4bit"))
+        c["triton grouped_dot bf16"] = ("bf16_raw", _registered("grouped_dot"))
         for cfg in triton_configs:
-            c[f"triton grouped_dot_4bit nf4 {_config_text(cfg)}"] = ("nf4", _triton("grouped_dot_4bit", cfg))
-            c[f"triton grouped_dot_4bit_t nf4 {_config_text(cfg)}"] = ("nf4", _triton("grouped_dot_4bit_t", cfg))
+            c[f"triton grouped_dot_4bit nf4 {_config_text(cfg)}"] = ("nf4", _registered("grouped_dot_4bit", cfg))
+            c[f"triton grouped_dot_4bit_t nf4 {_config_text(cfg)}"] = ("nf4", _registered("grouped_dot_4bit_t", cfg))
     return c
 
 
-def _triton(name, cfg=None):
+def _registered(name, cfg=None):
+    """A registered grouped kernel called directly: on the dense stack, or on the 4-bit stack's
+    kernel operands."""
     from jqlora.ops.qgmm import kernel_operands
     from pallas_kernels import registry
 
@@ -137,7 +150,8 @@ def _time(f, args, tiny: bool, iterations: int) -> float:
     return (time.perf_counter() - t0) / iterations * 1e3
 
 
-def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log=print, triton_configs=()) -> dict:
+def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log=print, triton_configs=(),
+          mosaic_configs=()) -> dict:
     from jqlora.ops import dispatch, grouped_dispatch
 
     shape = TINY if tiny else dict(tokens=TOKENS, top_k=TOP_K, experts=EXPERTS, projections=PROJECTIONS)
@@ -154,7 +168,7 @@ def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log
         x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
         dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
         flops = 2 * m * n * k
-        for cname, (kind, fn) in contenders(hopper, triton_configs).items():
+        for cname, (kind, fn) in contenders(hopper, triton_configs, mosaic_configs).items():
             if only and only not in cname:
                 continue
             wt = weights[kind]
@@ -167,7 +181,7 @@ def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log
             else:
                 timings = (("fwd", _forward(fn, gs, wt), (x,)), ("fwd_bwd", _forward_backward(fn, gs, wt), (x, dy)))
             for label, f, args in timings:
-                if label == "fwd_bwd" and cname.startswith(("upstream", "triton")):
+                if label == "fwd_bwd" and cname.startswith(("upstream", "triton", "mosaic")):
                     continue
                 try:
                     ms = _time(f, args, tiny, iterations)
@@ -203,14 +217,17 @@ def main(argv=None) -> int:
     p.add_argument("--triton-configs", default=None,
                    help='keyword overrides of the Triton 4-bit grouped kernels, ";"-separated, e.g. '
                         '"block_m=128,num_warps=8;method=select" (a GPU: forward and dx kernels at each)')
+    p.add_argument("--mosaic-configs", default=None,
+                   help='Grouped4bitConfig settings of the Mosaic 4-bit grouped kernels, ";"-separated, e.g. '
+                        '"compute_wgs=2;max_concurrent_steps=4" (Hopper: forward and dx kernels at each)')
     a = p.parse_args(argv)
     from benchmarks.run import device_name, versions
 
     try:
-        configs = parse_configs(a.triton_configs)
+        configs, mosaic = parse_configs(a.triton_configs), parse_configs(a.mosaic_configs)
     except ValueError as err:
         p.error(str(err))
-    res = bench(tiny=a.tiny, iterations=a.iterations, only=a.only, triton_configs=configs)
+    res = bench(tiny=a.tiny, iterations=a.iterations, only=a.only, triton_configs=configs, mosaic_configs=mosaic)
     res.update(device=device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
                versions=versions(), argv=sys.argv[1:])
     if a.out:

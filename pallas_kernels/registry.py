@@ -134,6 +134,7 @@ _MODULES = (
 # runs each against its reference.
 _GROUPED_MODULES = (
     "pallas_kernels.mosaic.grouped_mgpu",
+    "pallas_kernels.mosaic.grouped_mgpu_4bit",
     "pallas_kernels.triton.grouped_dot",
 )
 # The FP8 dequant kernels, ops FP8_OPS; tests/kernels/test_dequant_fp8.py runs each against its

@@ -228,9 +228,13 @@ def test_sm90_lowers_for_cuda(name):
     s = jax.ShapeDtypeStruct
     e, n, k, m = 8, 256, 512, 1000
     a = s((m, k if v.op in FORWARD_OPS else n), jnp.bfloat16)
+    if v.op.startswith("grouped_matmul_4bit"):
+        f, w = (lambda a, g, p, sc, c: v.fn(a, g, p, sc, c, blocksize=64),
+                (s((e, n, k // 2), jnp.uint8), s((e, n, k // 64), jnp.float32), s((16,), jnp.float32)))
+    else:
+        f, w = (lambda a, g, w: v.fn(a, g, w)), (s((e, n, k), jnp.bfloat16),)
     try:
-        triton, mosaic = lowered_modules(lambda a, g, w: v.fn(a, g, w),
-                                         (a, s((e,), jnp.int32), s((e, n, k), jnp.bfloat16)))
+        triton, mosaic = lowered_modules(f, (a, s((e,), jnp.int32), *w))
     except Exception as err:  # noqa: BLE001
         if "Unable to" in str(err) or "no CUDA" in str(err):  # pragma: no cover
             pytest.skip(f"this jax cannot lower Mosaic GPU kernels without a GPU: {err}")
@@ -332,6 +336,57 @@ def os_path_exists(rel):
     return os.path.isfile(os.path.join(root, rel))
 
 
+SM90_4BIT = [v.name for v in GROUPED if v.platform == "sm90" and "4bit" in v.op]
+# Grouped4bitConfig settings the compiled suite runs besides the default: two compute warpgroups
+SM90_4BIT_CONFIGS = ({}, {"compute_wgs": 2})
+
+
+@pytest.mark.skipif(not (ON_GPU and registry.platform_available("sm90")), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("settings", SM90_4BIT_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", SM90_4BIT)
+def test_sm90_4bit_kernels_decode_bitsandbytes_weights_bit_for_bit(name, dtype, settings):
+    """Unit rows of x pick single weights: the forward of x = I gives W_e^T, the backward of
+    dy = I gives W_e, each expert's block equal bit for bit to bitsandbytes' dequantization
+    (fp32 code * absmax, one rounding to x's dtype), for blocksizes 64 and 128 (64 only with two
+    compute warpgroups)."""
+    from jqlora.ops.qgmm import kernel_operands
+    from jqlora.quant import quantize_experts
+    from pallas_kernels.mosaic.grouped_mgpu_4bit import Grouped4bitConfig
+    from pallas_kernels.reference.fourbit import dequantize_4bit_reference
+
+    v = registry.get(name)
+    e, n, k = 2, 256, 256
+    config = Grouped4bitConfig(**settings)
+    for bs in (64, 128) if config.compute_wgs == 1 else (64,):
+        ex = quantize_experts(jax.random.normal(jax.random.key(bs), (e, n, k), jnp.float32), "nf4", bs,
+                              double_quant=bs == 64)
+        packed, absmax, code = kernel_operands(ex)
+        w = jnp.stack([dequantize_4bit_reference(packed[i], absmax[i], code, blocksize=bs, out_dtype=dtype)
+                       for i in range(e)]).reshape(e, n, k)
+        rows = k if v.op in FORWARD_OPS else n
+        eye = jnp.tile(jnp.eye(rows, dtype=dtype), (e, 1))
+        got = v.fn(eye, jnp.full((e,), rows, jnp.int32), packed, absmax, code, blocksize=bs, out_dtype=dtype,
+                   config=config)
+        want = jnp.concatenate([w[i].T if v.op in FORWARD_OPS else w[i] for i in range(e)])
+        assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)), (name, bs)
+
+
+@pytest.mark.skipif(not (ON_GPU and registry.platform_available("sm90")), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("case", [c[0] for c in CASES[:2]])
+@pytest.mark.parametrize("name", SM90_4BIT)
+def test_sm90_4bit_kernels_with_two_warpgroups_match_the_reference(name, case):
+    from pallas_kernels.mosaic.grouped_mgpu_4bit import Grouped4bitConfig
+
+    v = registry.get(name)
+    _, e, n, k, gs, m = next(c for c in CASES if c[0] == case)
+    n, k = 2 * n, 2 * k  # multiples of 256: two 128-row tiles a work item
+    args, kw, _ = _operands(v, e, n, k, gs, m)
+    got = v.fn(*args, **kw, out_dtype=jnp.float32, config=Grouped4bitConfig(compute_wgs=2))
+    _assert_close(got, _reference(v, args, kw), args[0], f"{name} two warpgroups {case}")
+    assert not np.asarray(got[sum(gs):]).any()
+
+
 # ------------------------------------------------------------------------------------------
 # qgmm's plan on the device against its xla backend (compiled GPU suite)
 # ------------------------------------------------------------------------------------------
@@ -347,7 +402,8 @@ def test_qgmm_auto_plan_on_hopper_matches_xla(fmt):
     w = jax.random.normal(jax.random.key(0), (e, n, k), jnp.float32) * 0.05
     ex = ExpertWeights.from_dense(w.astype(jnp.bfloat16)) if fmt == "bf16" else quantize_experts(w, fmt)
     plan = ops.choose_grouped_plan(ex, m, "auto", dtype="bfloat16")
-    assert plan.backend == "pallas" and plan.fwd == "mgpu_grouped_dot" and plan.bwd == "mgpu_grouped_dot_t"
+    want = "mgpu_grouped_dot_4bit" if fmt == "nf4" else "mgpu_grouped_dot"  # the NF4 stack decoded in the kernel
+    assert plan.backend == "pallas" and plan.fwd == want and plan.bwd == want + "_t"
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
 

@@ -429,10 +429,12 @@ HOPPER, GPU, CPU = dispatch.Device("gpu", sm90=True), dispatch.Device("gpu"), di
 def test_grouped_plans_follow_the_table():
     qwen = dict(m=16384, n=768, k=2048, experts=128)
     kernels = dispatch.Plan("pallas", "mgpu_grouped_dot", "mgpu_grouped_dot_t")
+    decoding = dispatch.Plan("pallas", "mgpu_grouped_dot_4bit", "mgpu_grouped_dot_4bit_t")  # no dense stack
     # other GPUs: the Triton grouped kernels on a dequantized stack, not XLA's dense expansion
     triton_dense = dispatch.Plan("pallas", "grouped_dot", "grouped_dot_t")
     for weight in ("nf4", "fp4", "int8", "dense"):
-        assert grouped_dispatch.explain_grouped(weight, **qwen, device=HOPPER).plan == kernels, weight
+        on_hopper = decoding if weight in ("nf4", "fp4") else kernels
+        assert grouped_dispatch.explain_grouped(weight, **qwen, device=HOPPER).plan == on_hopper, weight
         assert grouped_dispatch.explain_grouped(weight, **qwen, device=GPU).plan == triton_dense, weight
         assert grouped_dispatch.explain_grouped(weight, **qwen, device=CPU).plan == dispatch.Plan("xla"), weight
         f32 = grouped_dispatch.explain_grouped(weight, **qwen, dtype="float32", device=HOPPER)
@@ -440,8 +442,11 @@ def test_grouped_plans_follow_the_table():
     odd = grouped_dispatch.explain_grouped("nf4", 64, 96, 2048, 8, device=HOPPER)
     assert odd.plan == triton_dense  # a shape the Hopper kernel declines goes to the Triton one
     assert ("fwd", "mgpu_grouped_dot", "supports() declines M=64, N=96, K=2048, blocksize=64") in odd.rows
+    assert ("fwd", "mgpu_grouped_dot_4bit", "supports() declines M=64, N=96, K=2048, blocksize=64") in odd.rows
+    # scale blocks of 32 columns: the decoding kernel declines, the dequant pass + wgmma kernel takes them
+    assert grouped_dispatch.explain_grouped("nf4", **qwen, blocksize=32, device=HOPPER).plan == kernels
     text = str(grouped_dispatch.explain_grouped("nf4", **qwen, device=HOPPER))
-    assert "pallas_kernels/mosaic/grouped_mgpu.py" in text and "chosen" in text
+    assert "pallas_kernels/mosaic/grouped_mgpu_4bit.py" in text and "chosen" in text
     with pytest.raises(dispatch.BackendError, match="needs a GPU"):
         grouped_dispatch.explain_grouped("nf4", **qwen, device=CPU, backend="pallas")
     triton = dispatch.Plan("pallas", "grouped_dot_4bit", "grouped_dot_4bit_t")
@@ -465,7 +470,7 @@ def test_choose_grouped_plan_reads_the_stack_and_the_variant():
         packed=np.zeros((e, n * k // 2), np.uint8), absmax=np.zeros((e, n * k // 64), np.float32),
         code=np.zeros((e, 16), np.float32), shape=(n, k)), num_experts=e).validate()
     plan = grouped_dispatch.choose_grouped_plan(ex, 64, "auto", dtype="bfloat16", device=HOPPER)
-    assert plan.fwd == "mgpu_grouped_dot"
+    assert plan.fwd == "mgpu_grouped_dot_4bit"
     assert grouped_dispatch.choose_grouped_plan(ex, 64, "xla", device=HOPPER) == dispatch.Plan("xla")
     with pytest.raises(dispatch.BackendError, match="no grouped kernel variant named"):
         grouped_dispatch.choose_grouped_plan(ex, 64, "pallas", variant="dequant_dot", device=HOPPER)
@@ -478,8 +483,10 @@ def test_every_grouped_row_is_reachable():
     """Each row of GROUPED_RULES is the chosen one for some M, dtype and backend on a GPU."""
     kinds = {"4bit": "nf4", "int8": "int8", "dense": "dense"}
     for r in grouped_dispatch.GROUPED_RULES:
-        e = [grouped_dispatch.explain_grouped(kinds[r.weight], m, 768, 2048, 128, dtype=dt, device=d, backend=b)
-             for m in (0, 4096) for dt in ("bfloat16", "float32") for b in ("auto", "pallas") for d in (HOPPER, GPU)]
+        e = [grouped_dispatch.explain_grouped(kinds[r.weight], m, 768, 2048, 128, blocksize=bs, dtype=dt, device=d,
+                                              backend=b)
+             for m in (0, 4096) for dt in ("bfloat16", "float32") for b in ("auto", "pallas") for d in (HOPPER, GPU)
+             for bs in (32, 64)]
         assert any((r.product, r.variant or "xla", "chosen") in x.rows for x in e), r
 
 
@@ -525,7 +532,7 @@ def test_explain_kernel_cli_explains_the_grouped_product(capsys):
     want = grouped_dispatch.explain_grouped("nf4", 16384, 768, 2048, 128, device=HOPPER)
     assert rc == 0 and out == str(want) + "\n", err
     rc, out, err = run_cli(capsys, *argv, "--json")
-    assert rc == 0 and json.loads(out)["fwd"] == "mgpu_grouped_dot", err
+    assert rc == 0 and json.loads(out)["fwd"] == "mgpu_grouped_dot_4bit", err
     rc, out, err = run_cli(capsys, "explain-kernel", "--weight", "dense", "--m", 8, "--n", 64, "--k", 64,
                            "--experts", 4, "--device", "cpu", "--json")
     assert rc == 0 and json.loads(out)["backend"] == "xla", err
