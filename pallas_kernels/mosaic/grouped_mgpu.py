@@ -116,19 +116,8 @@ def _kernel_call(a, tiles, w, *, transpose_w: bool, out_dtype, cfg: GroupedDotCo
             def _store(o_smem):
                 o_smem[...] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                size = hi - lo
-                start = lo - block_start
-                # a TMA descriptor has a static row count: store `size` rows as its binary digits
-                rows = 1 << int(math.log2(min(bm, m)))
-                while rows >= 1:
-                    @pl.when(size & rows != 0)
-                    def _():
-                        plgpu.copy_smem_to_gmem(
-                            o_smem.at[pl.ds(start, rows)],
-                            o_gmem.at[pl.ds(block_start + start, rows), pl.ds(ni * bn, bn)])
-
-                    start = start + (size & rows)
-                    rows //= 2
+                store_tile_rows(o_smem, o_gmem, pl.ds(ni * bn, bn), lo=lo, hi=hi, block_start=block_start,
+                                max_rows=min(bm, m))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
@@ -139,6 +128,26 @@ def _kernel_call(a, tiles, w, *, transpose_w: bool, out_dtype, cfg: GroupedDotCo
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     return kernel(tiles, a, w)
+
+
+def store_tile_rows(src, dst, cols, *, lo, hi, block_start, max_rows: int):
+    """Copy a tile's own rows, [lo, hi) of the row block starting at `block_start`, from the
+    shared-memory tile `src` to `dst[rows, cols]` in global memory. A TMA descriptor has a static
+    row count, so the hi - lo rows go as its binary digits: one store of each power of two up to
+    `max_rows` that the count holds, each under `pl.when`."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    size = hi - lo
+    start = lo - block_start
+    rows = 1 << int(math.log2(max_rows))
+    while rows >= 1:
+        @pl.when(size & rows != 0)
+        def _(start=start, rows=rows):
+            plgpu.copy_smem_to_gmem(src.at[pl.ds(start, rows)], dst.at[pl.ds(block_start + start, rows), cols])
+
+        start = start + (size & rows)
+        rows //= 2
 
 
 def lax_div(a, b: int):

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mosaic.grouped_mgpu import store_tile_rows
 from pallas_kernels.mosaic.mgpu_decode import code_loader, codes_layout, decode_fn, mosaic_modules
 from pallas_kernels.mosaic.mgpu_pipeline import SMEM_LIMIT, load_tile, sm_count, warp_specialized
 from pallas_kernels.reference.grouped import (
@@ -175,19 +175,8 @@ def _call(a, tiles, w4, scales_t, code, *, forward: bool, blocksize: int, cfg: G
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read it
                         out[...] = res
                         plgpu.commit_smem()
-                        size = hi - lo
-                        start = lo - block_start
-                        # a TMA descriptor has a static row count: store `size` rows as its binary digits
-                        rows = 1 << int(math.log2(min(bm, m)))
-                        while rows >= 1:
-                            @pl.when(size & rows != 0)
-                            def _():
-                                plgpu.copy_smem_to_gmem(
-                                    out.at[pl.ds(start, rows)],
-                                    out_gmem.at[pl.ds(block_start + start, rows), pl.ds(col0, out_cols)])
-
-                            start = start + (size & rows)
-                            rows //= 2
+                        store_tile_rows(out, out_gmem, pl.ds(col0, out_cols), lo=lo, hi=hi,
+                                        block_start=block_start, max_rows=min(bm, m))
 
                 def body(_, a_smem, w_smem, s_smem, carry):
                     acc, codes = carry
