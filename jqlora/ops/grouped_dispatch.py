@@ -49,8 +49,9 @@ GROUPED_RULES = (
                 "the wgmma grouped kernel decoding the experts itself, no dense stack: 0.27 / 0.33 ms "
                 "(gate/up, down; H200) against 0.37 / 0.42 for a dequant_tiled pass + mgpu_grouped_dot"),
     GroupedRule("4bit", "fwd", "sm90 and 16-bit x", (1, None), "mgpu_grouped_dot",
-                "shapes the decoding kernel declines (N or K not a multiple of 128, blocksize 32): dequant_tiled "
-                "pass + the wgmma grouped kernel, 0.38-0.44 ms where the xla path takes 8.8-9.8 ms"),
+                "shapes the decoding kernel declines (N or K not a multiple of 256, blocksize other than 64: there it "
+                "runs one warpgroup, slower than this): dequant_tiled pass + the wgmma grouped kernel, 0.37-0.44 ms "
+                "where the xla path takes 8.8-9.8 ms"),
     GroupedRule("4bit", "fwd", "gpu and 16-bit x", (1, None), "grouped_dot",
                 "other GPUs: dequant_tiled pass + the Triton grouped kernel (H200: 0.30 ms + the pass, against "
                 "9.8 ms for the xla path and 1.75-6.1 ms for grouped_dot_4bit's in-register decode)"),

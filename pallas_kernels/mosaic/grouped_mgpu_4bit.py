@@ -64,8 +64,7 @@ def default_config(m: int, n: int, k: int, blocksize: int = 64) -> Grouped4bitCo
     for both: 0.27-0.35 ms against 0.39-0.45 with one, Qwen3-30B-A3B shapes on an H200,
     docs/kernels.md), else one."""
     del m
-    two = n % 256 == 0 and k % 256 == 0 and blocksize == 64
-    return Grouped4bitConfig(compute_wgs=2 if two else 1)
+    return Grouped4bitConfig(compute_wgs=2 if _two_warpgroups(n, k, blocksize) else 1)
 
 
 def smem_bytes(cfg: Grouped4bitConfig, *, forward: bool, out_itemsize: int, a_itemsize: int = 2) -> int:
@@ -257,16 +256,21 @@ def mgpu_grouped_dot_4bit_t(dy, group_sizes, packed, absmax, code, *, blocksize:
                          out_dtype=out_dtype, interpret=interpret, config=config, what="mgpu_grouped_dot_4bit_t")
 
 
+def _two_warpgroups(n: int, k: int, blocksize: int) -> bool:
+    return n % 256 == 0 and k % 256 == 0 and blocksize == 64
+
+
 def supports(m, n, k, blocksize=64):
-    """Forward (M, N, K): N and K multiples of 128, scale blocks of 64 or more columns dividing K."""
-    return (m >= 1 and blocksize >= 64 and k % blocksize == 0
-            and shape_problem(m, n, k, blocksize, default_config(m, n, k, blocksize)) is None)
+    """Forward (M, N, K) shapes `auto` gives the kernel: those it runs with two warpgroups (N and
+    K multiples of 256, blocksize 64), where it measured faster than the dequantization pass
+    and `mgpu_grouped_dot`; with one warpgroup it was slower (docs/kernels.md). Called directly
+    it also takes N and K multiples of 128 and any blocksize of 64 or more."""
+    return m >= 1 and _two_warpgroups(n, k, blocksize)
 
 
 def supports_t(m, n, k, blocksize=64):
-    """Backward: the output has K columns, the contraction runs over N."""
-    return (m >= 1 and blocksize >= 64 and k % blocksize == 0
-            and shape_problem(m, k, n, blocksize, default_config(m, n, k, blocksize)) is None)
+    """Backward (dx = dy @ W_e, output K columns, contraction over N): the same shapes."""
+    return m >= 1 and _two_warpgroups(n, k, blocksize)
 
 
 VARIANTS = (

@@ -470,7 +470,12 @@ def test_choose_grouped_plan_reads_the_stack_and_the_variant():
         packed=np.zeros((e, n * k // 2), np.uint8), absmax=np.zeros((e, n * k // 64), np.float32),
         code=np.zeros((e, 16), np.float32), shape=(n, k)), num_experts=e).validate()
     plan = grouped_dispatch.choose_grouped_plan(ex, 64, "auto", dtype="bfloat16", device=HOPPER)
-    assert plan.fwd == "mgpu_grouped_dot_4bit"
+    assert plan.fwd == "mgpu_grouped_dot"  # K = 128: the decoding kernel would run one warpgroup, slower
+    wide = ExpertWeights(stack=quant.Weight4bit(
+        packed=np.zeros((e, n * 2 * k // 2), np.uint8), absmax=np.zeros((e, n * 2 * k // 64), np.float32),
+        code=np.zeros((e, 16), np.float32), shape=(n, 2 * k)), num_experts=e).validate()
+    assert grouped_dispatch.choose_grouped_plan(wide, 64, "auto", dtype="bfloat16", device=HOPPER).fwd == \
+        "mgpu_grouped_dot_4bit"
     assert grouped_dispatch.choose_grouped_plan(ex, 64, "xla", device=HOPPER) == dispatch.Plan("xla")
     with pytest.raises(dispatch.BackendError, match="no grouped kernel variant named"):
         grouped_dispatch.choose_grouped_plan(ex, 64, "pallas", variant="dequant_dot", device=HOPPER)
