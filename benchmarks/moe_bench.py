@@ -19,7 +19,9 @@ on attention and experts, one row of 2048 tokens, per-layer remat / gradient che
     python -m benchmarks.moe_bench --target-modules q_proj,k_proj,v_proj,o_proj   # LoRA on attention only
 
 Each side runs in its own process when both are asked for (peak memory is process-wide) and
-reports the median step time, tokens/s and peak device memory.
+reports the median step time, tokens/s and peak device memory. `--out` writes
+`<gpu>-<date><tag>_moe.json` (both sides) or `..._moe_<side>.json` (one side), with the device,
+date, commit and versions.
 
 `--mesh` (jqlora.parallel's syntax, e.g. fsdp=2, data=2) runs the jqlora side on that many
 devices as `jqlora train --mesh` runs them: the model built on the first device, then placed
@@ -318,24 +320,36 @@ def main(argv=None) -> int:
     if a.side != "both":
         res = (run_jax(c, a.seq, a.steps, a.tiny, mesh_spec=a.mesh, targets=targets, optimizer=a.optimizer)
                if a.side == "jax" else run_torch(c, a.seq, a.steps, a.tiny, targets=targets, optimizer=a.optimizer))
-        print(json.dumps(res), flush=True)
+        print(json.dumps(res), flush=True)  # the one line the both-sides run reads back
+        if a.out:
+            _write(a.out, f"{a.tag}_moe_{a.side}", dict(res, **_about(argv)))
         return 0
-    from benchmarks.run import device_name, versions
-
     rows = [_side_in_subprocess(s, a) for s in ("jax", "torch")]
+    # only now: jax's first device query takes most of the GPU's memory, which the sides need
     res = dict(rows=rows, config=c, seq=a.seq, steps=a.steps, tiny=a.tiny, active_params=active_params(c),
-               mesh=a.mesh, target_modules=targets, optimizer=a.optimizer,
-               device=device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
-               versions=versions(), argv=list(argv if argv is not None else sys.argv[1:]))
+               mesh=a.mesh, target_modules=targets, optimizer=a.optimizer, **_about(argv))
     print(json.dumps(res, indent=1))
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, f"{res['device'].lower().replace(' ', '-')}-{res['date']}{a.tag}_moe.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(path + ".tmp", path)
-        print(f"wrote {path}")
+        _write(a.out, f"{a.tag}_moe", res)
     return 0
+
+
+def _about(argv) -> dict:
+    """Device, date, commit, versions and arguments of a run, asked for after its steps."""
+    from benchmarks.run import device_name, versions
+
+    return dict(device=device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
+                versions=versions(), argv=list(argv if argv is not None else sys.argv[1:]))
+
+
+def _write(out: str, suffix: str, res: dict) -> None:
+    """<out>/<gpu>-<date><suffix>.json, written whole or not at all."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{res['device'].lower().replace(' ', '-')}-{res['date']}{suffix}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,17 @@ def test_tiny_step_on_a_mesh_with_lora_on_attention_only():
     assert everything["mesh"] is None and everything["lora_params"] > row["lora_params"]
 
 
+def test_one_side_writes_its_row_with_device_commit_and_versions(tmp_path, capsys):
+    import json
+
+    assert moe_bench.main(["--side", "jax", "--tiny", "--layers", "1", "--seq", "16", "--steps", "1",
+                           "--out", str(tmp_path), "--tag", "_t"]) == 0
+    (path,) = tmp_path.glob("*_t_moe_jax.json")
+    res = json.loads(path.read_text())
+    assert res["side"] == "jqlora" and res["tokens_per_s"] > 0 and res["versions"]["jax"] and res["commit"]
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["side"] == "jqlora"  # the line a both-sides run reads
+
+
 def test_target_modules_and_mesh_options_are_checked():
     assert moe_bench.parse_targets("all-linear") == "all-linear"
     assert moe_bench.torch_targets(["q_proj", "down_proj"]) == (["q_proj"], ["mlp.experts.down_proj"])
