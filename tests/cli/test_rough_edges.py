@@ -79,9 +79,14 @@ def _interrupt_at(setup, tmp_path, marker: str, steps: int) -> tuple[int, str, P
     `marker`; (status, stderr, out_dir)."""
     out = tmp_path / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JQLORA_COMPILE_CACHE": "0"}
-    p = subprocess.Popen([sys.executable, "-m", "jqlora.cli", "train", "--model", setup / "model", "--data-path",
-                          setup / "train.jsonl", "--out-dir", out, "--steps", str(steps), "--save-every", "0",
-                          *SMALL[:-1]], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    argv = ["train", "--model", str(setup / "model"), "--data-path", str(setup / "train.jsonl"), "--out-dir",
+            str(out), "--steps", str(steps), "--save-every", "0", *map(str, SMALL[:-1])]
+    # Python's own Ctrl-C handler, as a terminal gives it: a suite started as a background job inherits
+    # SIGINT ignored, and Python then installs no handler (the CLI would rightly not be interrupted)
+    boot = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            f"sys.argv = ['jqlora'] + {argv!r}; runpy.run_module('jqlora.cli', run_name='__main__')")
+    p = subprocess.Popen([sys.executable, "-c", boot], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                         env=env)
     seen = []
     try:
         for line in p.stderr:
