@@ -336,6 +336,24 @@ def os_path_exists(rel):
     return os.path.isfile(os.path.join(root, rel))
 
 
+def test_decoding_kernels_fit_their_pipeline_into_shared_memory():
+    """`smem_bytes` against what Mosaic GPU counted on an H200 for two configs it refused
+    (233,536 B: backward, two warpgroups, 4 stages, bf16 out; 240,688 B: forward, two warpgroups,
+    3 stages, float32 out), less only its barriers; `fitted` brings both under the limit."""
+    from pallas_kernels.mosaic.grouped_mgpu_4bit import Grouped4bitConfig, fitted, smem_bytes
+    from pallas_kernels.mosaic.mgpu_pipeline import SMEM_LIMIT
+
+    for forward, depth, itemsize, mosaic in ((False, 4, 2, 233536), (True, 3, 4, 240688)):
+        cfg = Grouped4bitConfig(compute_wgs=2, max_concurrent_steps=depth)
+        ours = smem_bytes(cfg, forward=forward, out_itemsize=itemsize)
+        assert 0 <= mosaic - ours <= 1088, (forward, ours, mosaic)
+        fit = fitted(cfg, forward=forward, out_itemsize=itemsize)
+        assert 2 <= fit.max_concurrent_steps < depth
+        assert smem_bytes(fit, forward=forward, out_itemsize=itemsize) <= SMEM_LIMIT
+    default = Grouped4bitConfig(compute_wgs=2)  # the step's configs: bf16 out, 3 stages, unchanged
+    assert fitted(default, forward=True, out_itemsize=2) == default == fitted(default, forward=False, out_itemsize=2)
+
+
 SM90_4BIT = [v.name for v in GROUPED if v.platform == "sm90" and "4bit" in v.op]
 # Grouped4bitConfig settings the compiled suite runs besides the default: two compute warpgroups
 SM90_4BIT_CONFIGS = ({}, {"compute_wgs": 2})
