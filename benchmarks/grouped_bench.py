@@ -19,7 +19,8 @@ moe_intermediate 768: gate/up (N=768, K=2048) and down (N=2048, K=768). Contende
   "block_m=128,num_warps=8;method=select"` also the 4-bit forward and its backward kernel
   (`grouped_dot_4bit_t`, dx = dy @ W_e: `dx_ms`) at each of those keyword overrides; with
   `--mosaic-configs "compute_wgs=2"` the Mosaic 4-bit kernels at those `Grouped4bitConfig` settings.
-Ratios are over `qgmm bf16 auto` (the bf16 grouped matmul; issue target: NF4 <= 1.3x).
+Ratios are over `qgmm bf16 auto` (the bf16 grouped matmul; issue target: NF4 <= 1.3x), timed
+first at each projection. `--budget-s S` starts no contender after S seconds (listed as skipped).
 Device times come from `benchmarks.timing.jax_device_ms` (CUPTI kernel sums); `--tiny` uses
 wall time. Writes <out>/<gpu>-<date><tag>_grouped.json with device, date, commit and versions.
 """
@@ -74,10 +75,10 @@ def _config_text(cfg: dict) -> str:
 
 def contenders(on_hopper: bool, triton_configs=(), mosaic_configs=()):
     """name -> (weight kind, fn(x, group_sizes, w) -> y); a name with "_t " takes dy (the dx product)."""
-    c = {
+    c = {  # the ratios' base first, then what it is compared with, the slow jnp path last of these
+        "qgmm bf16 auto": ("bf16", lambda x, g, w: ops.qgmm(x, g, w)),
         "qgmm nf4 auto": ("nf4", lambda x, g, w: ops.qgmm(x, g, w)),
         "qgmm nf4 xla": ("nf4", lambda x, g, w: ops.qgmm(x, g, w, backend="xla")),
-        "qgmm bf16 auto": ("bf16", lambda x, g, w: ops.qgmm(x, g, w)),
         "lax.ragged_dot bf16": ("bf16_raw", lambda x, g, w: jax.lax.ragged_dot_general(
             x, w, g, _NT, preferred_element_type=jnp.float32).astype(x.dtype)),
     }
@@ -151,7 +152,9 @@ def _time(f, args, tiny: bool, iterations: int) -> float:
 
 
 def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log=print, triton_configs=(),
-          mosaic_configs=()) -> dict:
+          mosaic_configs=(), budget_s: float | None = None) -> dict:
+    """Every contender at both projections; once `budget_s` seconds have passed, the contenders
+    not started are listed under "skipped" (a device call's time limit then still gets a file)."""
     from jqlora.ops import dispatch, grouped_dispatch
 
     shape = TINY if tiny else dict(tokens=TOKENS, top_k=TOP_K, experts=EXPERTS, projections=PROJECTIONS)
@@ -159,7 +162,7 @@ def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log
     m = shape["tokens"] * shape["top_k"]
     gs = jnp.asarray(routing(shape["tokens"], shape["top_k"], e))
     hopper = jax.default_backend() == "gpu" and dispatch.mgpu_available()
-    rows = []
+    rows, skipped, t0 = [], [], time.perf_counter()
     for i, (name, n, k) in enumerate(shape["projections"]):
         key = jax.random.key(10 + i)
         w = (jax.random.normal(key, (e, n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
@@ -170,6 +173,9 @@ def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log
         flops = 2 * m * n * k
         for cname, (kind, fn) in contenders(hopper, triton_configs, mosaic_configs).items():
             if only and only not in cname:
+                continue
+            if budget_s is not None and time.perf_counter() - t0 >= budget_s:
+                skipped.append(f"{name}: {cname}")
                 continue
             wt = weights[kind]
             row = {"projection": name, "m": m, "n": n, "k": k, "experts": e, "contender": cname}
@@ -196,7 +202,7 @@ def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log
         for label in ("fwd", "fwd_bwd"):
             if base and f"{label}_ms" in r and f"{label}_ms" in base:
                 r[f"{label}_ratio"] = round(r[f"{label}_ms"] / base[f"{label}_ms"], 3)
-    return {"rows": rows, "tiny": tiny, "routing_seed": 0}
+    return {"rows": rows, "skipped": skipped, "tiny": tiny, "routing_seed": 0}
 
 
 def _commit() -> str:
@@ -217,6 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("--triton-configs", default=None,
                    help='keyword overrides of the Triton 4-bit grouped kernels, ";"-separated, e.g. '
                         '"block_m=128,num_warps=8;method=select" (a GPU: forward and dx kernels at each)')
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no contender after this many seconds; those left are listed as skipped")
     p.add_argument("--mosaic-configs", default=None,
                    help='Grouped4bitConfig settings of the Mosaic 4-bit grouped kernels, ";"-separated, e.g. '
                         '"compute_wgs=2;max_concurrent_steps=4" (Hopper: forward and dx kernels at each)')
@@ -227,7 +235,8 @@ def main(argv=None) -> int:
         configs, mosaic = parse_configs(a.triton_configs), parse_configs(a.mosaic_configs)
     except ValueError as err:
         p.error(str(err))
-    res = bench(tiny=a.tiny, iterations=a.iterations, only=a.only, triton_configs=configs, mosaic_configs=mosaic)
+    res = bench(tiny=a.tiny, iterations=a.iterations, only=a.only, triton_configs=configs, mosaic_configs=mosaic,
+                budget_s=a.budget_s)
     res.update(device=device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
                versions=versions(), argv=sys.argv[1:])
     if a.out:

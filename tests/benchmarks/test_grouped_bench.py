@@ -28,6 +28,15 @@ def test_tiny_run_writes_rows_with_ratios(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_spent_budget_skips_the_contenders_left_and_still_writes_the_file(tmp_path, monkeypatch):
+    monkeypatch.setitem(grouped_bench.TINY, "projections", (("down", 128, 64),))
+    assert grouped_bench.main(["--tiny", "--iterations", "1", "--only", "auto", "--budget-s", "0",
+                               "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*_grouped.json")
+    res = json.loads(path.read_text())
+    assert res["rows"] == [] and res["skipped"] == ["down: qgmm bf16 auto", "down: qgmm nf4 auto"]
+
+
 def test_triton_configs_parse_to_keyword_overrides():
     assert grouped_bench.parse_configs("block_m=128,num_warps=8;method=select") == [
         {"block_m": 128, "num_warps": 8}, {"method": "select"}]
