@@ -52,7 +52,7 @@ def routing(tokens: int, top_k: int, experts: int, seed: int = 0) -> np.ndarray:
     return np.bincount(picks.reshape(-1), minlength=experts).astype(np.int32)
 
 
-def parse_configs(spec: str | None) -> list[dict]:
+def parse_configs(spec: str | None, flag: str = "--triton-configs") -> list[dict]:
     """ "block_m=128,num_warps=8;method=select" -> [{"block_m": 128, "num_warps": 8}, {"method": "select"}]."""
     out = []
     for part in (spec or "").split(";"):
@@ -62,7 +62,7 @@ def parse_configs(spec: str | None) -> list[dict]:
         for item in part.split(","):
             key, sep, value = item.partition("=")
             if not sep or not key.strip():
-                raise ValueError(f"--triton-configs: {item!r} is not key=value")
+                raise ValueError(f"{flag}: {item!r} is not key=value")
             value = value.strip()
             cfg[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
         out.append(cfg)
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     from benchmarks.run import device_name, versions
 
     try:
-        configs, mosaic = parse_configs(a.triton_configs), parse_configs(a.mosaic_configs)
+        configs, mosaic = parse_configs(a.triton_configs), parse_configs(a.mosaic_configs, "--mosaic-configs")
     except ValueError as err:
         p.error(str(err))
     res = bench(tiny=a.tiny, iterations=a.iterations, only=a.only, triton_configs=configs, mosaic_configs=mosaic,

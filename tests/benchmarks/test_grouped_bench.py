@@ -45,3 +45,5 @@ def test_triton_configs_parse_to_keyword_overrides():
 
     with pytest.raises(ValueError, match="block_m"):
         grouped_bench.parse_configs("block_m")
+    with pytest.raises(ValueError, match="--mosaic-configs: 'compute_wgs' is not key=value"):
+        grouped_bench.parse_configs("compute_wgs", "--mosaic-configs")
