@@ -12,6 +12,7 @@ the wall time per token (the gap is time the GPU waits for the host: launches, l
 
 Variants: default (the library's settings: `decode_layers="auto"`); hoisted / scanned (the layers
 sliced once before the decode loop, or by a scan on every token: `generate(decode_layers=...)`);
+apart (hoisted, each projection its own product: `generate(fuse_projections=False)`);
 cmdbuf (the defaults with XLA command buffers, i.e. CUDA graphs, for while loops and conditionals
 too: `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
 Writes $OUT/decode_profile_<shape>.json (one record per variant) and prints a table.
@@ -44,8 +45,9 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None) -> dict:
     t0 = time.perf_counter()
     ids = np.asarray([[5 + (7 * i) % 26 for i in range(PROMPT_LEN)]], np.int32)
     model, _, _ = build_jax(shape, 2048, "auto", "cudnn", layers=n_layers, remat=False, lora=False)
-    layers = variant if variant in ("hoisted", "scanned") else "auto"
-    gen = lambda n: models.generate(model, ids, n, decode_layers=layers)  # noqa: E731
+    layers = {"hoisted": "hoisted", "scanned": "scanned", "apart": "hoisted"}.get(variant, "auto")
+    fuse = variant != "apart"
+    gen = lambda n: models.generate(model, ids, n, decode_layers=layers, fuse_projections=fuse)  # noqa: E731
     build_s = time.perf_counter() - t0
     times, compile_s = {}, {}
     for n in (1, tokens):

@@ -11,7 +11,13 @@ every layer's weights on every token: about half of the decode time measured on 
 once, before the decode loop, and run one after another inside it: no copy per token, at the
 price of a second copy of the layer weights while generating and a longer compilation (the
 layers are unrolled). "auto" hoists when two copies of the weights and the KV cache fit in 90% of
-the device's memory; on a CPU (no memory limit reported, cheap copies) it scans."""
+the device's memory; on a CPU (no memory limit reported, cheap copies) it scans.
+
+Fused projections: with hoisted layers, the projections that read one input, q|k|v and gate|up,
+run as one product each (`jqlora.lora.fuse`; 4 products a layer instead of 7). At one token a
+4-bit product costs about 4 us however small its weight, so this is a tenth of an 8B token's time
+and a sixth of a 1B token's on an H200 (benchmarks/results/JOURNAL.md). The fused 4-bit weights
+hold de-nested float32 scales (`jqlora.quant.rows`), 3 bytes more per 64 weights."""
 from __future__ import annotations
 
 import dataclasses
@@ -108,9 +114,11 @@ def prefill(model, prompt, prompt_mask, max_len: int):
     return logits, cache, positions[:, -1] + 1
 
 
-def decode_layer_states(model, hoist: bool):
-    """The layers sliced once, before a decode loop (loop invariants), or None to scan them."""
-    return [stack.layer_states() for stack in model.model.layers.stacks] if hoist else None
+def decode_layer_states(model, hoist: bool, fuse: bool = True):
+    """The layers sliced once, before a decode loop (loop invariants), or None to scan them.
+    fuse: each layer's projections that read one input (q|k|v, gate|up) run as one product
+    (`DecoderLayer.fuse_projections`)."""
+    return [stack.layer_states(fuse) for stack in model.model.layers.stacks] if hoist else None
 
 
 def decode_step(model, tok, pos, cache, layer_states):
@@ -137,7 +145,7 @@ def longrope_recompute(model, prompt, prompt_mask, out, i, like: KVCache):
 
 
 def _generate_program(state, prompt, prompt_mask, key, eos, temperature, top_p, max_new_tokens, *, graphdef, bucket,
-                      greedy, use_top_p, return_logits, hoist):
+                      greedy, use_top_p, return_logits, hoist, fuse):
     """The prefill and the decode loop, one program (`_generate` compiles it; `_run` runs it)."""
     load = model_loader(graphdef, state)
     model = load()
@@ -167,7 +175,7 @@ def _generate_program(state, prompt, prompt_mask, key, eos, temperature, top_p, 
         return (i < max_new_tokens) & ~jnp.all(done)
 
     # Sliced here, outside the loop: loop invariants, not a copy of every layer per token.
-    layer_states = decode_layer_states(model, hoist)
+    layer_states = decode_layer_states(model, hoist, fuse)
 
     switch = longrope_switch(model.config)
     recompute = switch is not None and t <= switch < t + bucket  # the sequence may cross it here
@@ -195,7 +203,7 @@ def _generate_program(state, prompt, prompt_mask, key, eos, temperature, top_p, 
     return out, scores
 
 
-_STATIC = ("graphdef", "bucket", "greedy", "use_top_p", "return_logits", "hoist")
+_STATIC = ("graphdef", "bucket", "greedy", "use_top_p", "return_logits", "hoist", "fuse")
 _generate = jax.jit(_generate_program, static_argnames=_STATIC)
 
 
@@ -207,7 +215,8 @@ def _run(*args, **static):
 
 def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
              rng: Optional[jax.Array] = None, eos_token_id: Union[int, Sequence[int], None] = None,
-             attention_mask=None, return_logits: bool = False, decode_layers: str = "auto"):
+             attention_mask=None, return_logits: bool = False, decode_layers: str = "auto",
+             fuse_projections: bool = True):
     """Generate `max_new_tokens` tokens after `prompt_ids` (B, T).
 
     temperature=0.0 is greedy (argmax); otherwise top-p (nucleus) sampling with `rng` (a
@@ -217,7 +226,9 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
     Returns (B, T + max_new_tokens) int32 token ids (prompt + generated); with return_logits=True
     also the float32 logits (B, max_new_tokens, V) each new token was chosen from (zeros after
     every row stopped). The model runs in eval mode (no LoRA dropout). decode_layers: "auto",
-    "hoisted" or "scanned" (module docstring).
+    "hoisted" or "scanned" (module docstring). fuse_projections: with hoisted layers, the
+    projections that read one input (q|k|v, gate|up) run as one product each (module docstring);
+    False runs them apart.
     """
     prompt = jnp.asarray(prompt_ids, jnp.int32)
     if prompt.ndim != 2:
@@ -240,7 +251,8 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
         jnp.float32(temperature), jnp.float32(top_p), jnp.int32(max_new_tokens),
         graphdef=graphdef, bucket=token_bucket(max_new_tokens), greedy=greedy, use_top_p=top_p < 1.0,
         return_logits=bool(return_logits),
-        hoist=hoist_layers(model, prompt.shape[0], prompt.shape[1] + token_bucket(max_new_tokens), decode_layers))
+        hoist=hoist_layers(model, prompt.shape[0], prompt.shape[1] + token_bucket(max_new_tokens), decode_layers),
+        fuse=bool(fuse_projections))
     n = int(max_new_tokens)
     out, scores = out[:, :n], scores[:, :n]
     seqs = jnp.concatenate([prompt, out], axis=1)

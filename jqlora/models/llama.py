@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jqlora import ops as _ops
 from jqlora.errors import SettingError
 from jqlora.ops import sharding
+from jqlora.lora.fuse import fuse_linears, fusion_problem
 from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
 from jqlora.lora.stacked import LayerStack, StackedLayers
 import jqlora.models.packed_attention as packed_attention
@@ -111,7 +112,7 @@ class Attention(nnx.Module):
         cfg = self.config
         b, t, _ = x.shape
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        if cfg.fused_projections:
+        if hasattr(self, "qkv_proj"):  # Phi-3's checkpoint, or q, k and v fused for decoding
             q, k, v = jnp.split(self.qkv_proj(x), [h * d, (h + kvh) * d], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -139,6 +140,18 @@ class Attention(nnx.Module):
                      window=self.window, dtype=x.dtype, impl="einsum" if kv_cache is not None else impl,
                      plain_causal=plain_causal, runs=runs)
         return self.o_proj(out), new_kv
+
+    def fuse_projections(self) -> Optional[str]:
+        """Replace q_proj, k_proj and v_proj by one qkv_proj computing the same (`jqlora.lora.fuse`),
+        in place; -> why not, or None when fused (or already one linear)."""
+        if hasattr(self, "qkv_proj"):
+            return None
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        problem = fusion_problem(parts)
+        if problem is None:
+            self.qkv_proj = fuse_linears(parts)
+            del self.q_proj, self.k_proj, self.v_proj
+        return problem
 
 
 class MLP(nnx.Module):
@@ -171,6 +184,18 @@ class MLP(nnx.Module):
 
     def _has_dropout(self) -> bool:
         return any(isinstance(n, nnx.Dropout) for _, n in nnx.iter_graph(self))
+
+    def fuse_projections(self) -> Optional[str]:
+        """Replace gate_proj and up_proj by one gate_up_proj (gate rows, then up rows) computing the
+        same (`jqlora.lora.fuse`), in place; -> why not, or None when fused (or already one)."""
+        if hasattr(self, "gate_up_proj"):
+            return None
+        parts = [self.gate_proj, self.up_proj]
+        problem = fusion_problem(parts)
+        if problem is None:
+            self.gate_up_proj = fuse_linears(parts)
+            del self.gate_proj, self.up_proj
+        return problem
 
 
 class DecoderLayer(nnx.Module):
@@ -233,6 +258,16 @@ class DecoderLayer(nnx.Module):
             x = x + m
         return (x, new_kv, logits) if router_logits else (x, new_kv)
 
+    def fuse_projections(self) -> dict:
+        """Fuse the projections that read one input (q|k|v, and gate|up of a dense MLP) in place,
+        for decoding; -> {module: why not} for those left apart."""
+        left = {}
+        for name, part in (("self_attn", self.self_attn), ("mlp", self.mlp)):
+            problem = part.fuse_projections() if isinstance(part, (Attention, MLP)) else "a mixture-of-experts block"
+            if problem:
+                left[name] = problem
+        return left
+
     def _mlp(self, x, chunk: int, router_logits: bool):
         """The MLP's output, and a mixture-of-experts block's router logits when asked (else None)."""
         if router_logits and isinstance(self.mlp, moe.MoEBlock):
@@ -252,18 +287,41 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(src.tensor("model.norm.weight", (c.hidden_size,)), c.rms_norm_eps, c.norm_kind)
 
 
+@dataclasses.dataclass(frozen=True)
+class HoistedLayers:
+    """A stack's layers sliced once, before a decode loop (`DecoderStack.layer_states`): the
+    module graph they run as (the stack's, or with fused projections), each layer's (RNG state,
+    other state), and {module: why its projections stay apart} (the same for every layer)."""
+    graphdef: Any
+    states: list
+    left_apart: dict
+
+
 class DecoderStack(LayerStack):
     """Consecutive decoder layers of one structure, stored stacked (`jqlora.lora.stacked`); the
     forward is one `lax.scan` over them, so the compiled program holds one layer's code whatever
     the depth."""
 
-    def layer_states(self) -> list:
+    def layer_states(self, fuse: bool = False) -> "HoistedLayers":
         """Each layer's (RNG state, other state), sliced out of the stacks: what `__call__(layers=...)`
         runs. Sliced once outside a decode loop, the slices are that loop's invariants; sliced by
         the scan inside it, every token would copy every layer's weights again (a kernel takes a
-        whole array, not a slice of one)."""
-        _, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
-        return [jax.tree.map(lambda a, j=j: a[j], (rng_state, rest)) for j in range(self.size)]
+        whole array, not a slice of one). fuse: each layer's projections that read one input run
+        as one product (`DecoderLayer.fuse_projections`; the layers must be in eval mode)."""
+        graphdef, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
+        states = [jax.tree.map(lambda a, j=j: a[j], (rng_state, rest)) for j in range(self.size)]
+        if not fuse:
+            return HoistedLayers(graphdef, states, {})
+        fused, left, fused_def = [], {}, None
+        for rng_j, rest_j in states:
+            layer = nnx.merge(graphdef, rng_j, rest_j)
+            left = layer.fuse_projections()
+            layer_def, *layer_state = nnx.split(layer, nnx.RngState, ...)
+            if fused_def is not None and layer_def != fused_def:
+                raise AssertionError("layers of one stack fused into different structures")
+            fused_def = layer_def
+            fused.append(tuple(layer_state))
+        return HoistedLayers(fused_def, fused, left)
 
     def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool, layers=None,
                  cache_row: Optional[int] = None, ring: bool = False, router_logits: bool = False):
@@ -275,6 +333,8 @@ class DecoderStack(LayerStack):
         layers: `layer_states()` taken earlier: the layers then run one after another in Python
         (no scan, no slicing here)."""
         graphdef, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
+        if layers is not None:
+            graphdef = layers.graphdef
 
         mlp_chunk = mlp_chunk_for(policy, x.shape[1])
 
@@ -292,12 +352,12 @@ class DecoderStack(LayerStack):
             one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=False)
 
         if layers is not None:
-            if collect or router_logits or len(layers) != self.size:
+            if collect or router_logits or len(layers.states) != self.size:
                 raise ValueError(f"layers: expected {self.size} layer states and no collected outputs")
             # One traced and lowered function called once per layer: lowering its kernels once,
             # not once per layer (each Mosaic GPU kernel takes a while to lower).
             call = jax.jit(one_layer)
-            for j, (rng_j, rest_j) in enumerate(layers):
+            for j, (rng_j, rest_j) in enumerate(layers.states):
                 kv = None if cache is None else (*cache, jnp.int32(row0 + j))
                 x, cache, _, _ = call(x, rng_j, rest_j, kv)
             return x, cache, None, None
@@ -396,7 +456,7 @@ class CausalLM(nnx.Module):
         hold the (B, T, vocab) logits at once. segment_runs = `packed_attention.segment_runs(
         segment_ids, M)`: with attention="cudnn", packed rows then run cuDNN's packed layout
         instead of a (T, T) mask (other attention paths ignore it). layer_states: one
-        `DecoderStack.layer_states()` list per stack, sliced beforehand (generation slices them
+        `DecoderStack.layer_states()` (`HoistedLayers`) per stack, sliced beforehand (generation slices them
         once, outside its decode loop). rope_per_row: LongRoPE picks its table per row, by the row's
         own largest position, not by the call's (batched rollouts: each row as if alone).
         return_router_logits: return (what the call returns otherwise, router logits), the logits a

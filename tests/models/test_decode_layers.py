@@ -1,5 +1,7 @@
 """Generation with the decoder layers sliced once before the decode loop (`decode_layers="hoisted"`)
-against the scan over stacked layers inside it ("scanned"), and the "auto" choice between them."""
+against the scan over stacked layers inside it ("scanned"), and the "auto" choice between them;
+the hoisted layers' fused projections (q|k|v, gate|up as one product each) against the layers
+run apart."""
 import importlib
 import re
 
@@ -9,8 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jqlora import models, quant
 from jqlora.models import generate, remat
-from test_scan import _ids, _model
+from test_scan import CFG, _ids, _model
 
 # the package re-exports the function `generate`, which shadows the module of the same name
 gen = importlib.import_module("jqlora.models.generate")
@@ -48,13 +51,56 @@ def test_hoisted_decode_equals_scanned_and_a_full_forward():
     assert len({tuple(r) for r in np.asarray(seq_h[:, 6:])}) == 2  # rows differ: the padding matters
 
 
+def test_fused_projections_decode_as_the_projections_apart():
+    """Layer 1 has LoRA on q_proj (not k, v) and down_proj: the fused q|k|v carries one LoRA block."""
+    m = _multi_stack_model()
+    ids, mask = _left_padded_prompt()
+    runs = {fuse: generate(m, ids, 6, attention_mask=mask, return_logits=True, decode_layers="hoisted",
+                           fuse_projections=fuse) for fuse in (True, False)}
+    np.testing.assert_array_equal(np.asarray(runs[True][0]), np.asarray(runs[False][0]))
+    np.testing.assert_allclose(np.asarray(runs[True][1]), np.asarray(runs[False][1]), rtol=1e-5, atol=1e-5)
+
+
+def _hoisted_layer(m, fuse: bool):
+    hoisted = gen.decode_layer_states(m, True, fuse)
+    first = hoisted[0]
+    return nnx.merge(first.graphdef, *first.states[0]), [h.left_apart for h in hoisted]
+
+
+def test_hoisted_layers_run_four_products_where_seven_were():
+    m = _multi_stack_model()
+    layer, left = _hoisted_layer(m, True)
+    assert hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj")
+    assert not any(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    assert left == [{}, {}, {}]
+    assert layer.self_attn.qkv_proj.out_features == m.config.q_features + 2 * m.config.kv_features
+    apart, _ = _hoisted_layer(m, False)
+    assert hasattr(apart.self_attn, "q_proj") and not hasattr(apart.self_attn, "qkv_proj")
+
+
+def test_projections_of_different_formats_stay_apart():
+    params = models.init_params({**CFG, "num_hidden_layers": 2}, seed=0, std=0.1)
+    params = {k: quant.quantize_4bit(v) if k.endswith("proj.weight") and "k_proj" not in k else v
+              for k, v in params.items()}  # k_proj left dense, as a skip list leaves a module
+    m = _model(2, quantize=None, params=params)
+    assert not isinstance(m.model.layers[0].self_attn.k_proj.base.get_value(), quant.Weight4bit)
+    layer, left = _hoisted_layer(m, True)
+    assert hasattr(layer.self_attn, "q_proj") and hasattr(layer.mlp, "gate_up_proj")
+    assert "mixed formats" in left[0]["self_attn"]
+    ids, mask = _left_padded_prompt()
+    fused, apart = (generate(m, ids, 4, attention_mask=mask, decode_layers="hoisted", fuse_projections=f)
+                    for f in (True, False))
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(apart))
+
+
 def _lowered(m, hoist: bool) -> str:
     graphdef, state = nnx.split(m)
     ids = _ids(1, 5)
     return gen._generate.lower(state, ids, jnp.ones_like(ids), None, jnp.full((1,), -1, jnp.int32),
                                jnp.float32(0.0), jnp.float32(1.0), jnp.int32(4), graphdef=graphdef,
                                bucket=gen.TOKEN_BUCKET,
-                               greedy=True, use_top_p=False, return_logits=False, hoist=hoist).as_text()
+                               greedy=True, use_top_p=False, return_logits=False, hoist=hoist,
+                               fuse=True).as_text()
 
 
 @pytest.mark.parametrize("multi", [False, True])

@@ -189,14 +189,16 @@ def test_lora_logits_and_gradients_match_peft(kind):
     assert checked == len(ref_grads)
 
 
-def test_greedy_generation_with_the_cache_matches_transformers():
+@pytest.mark.parametrize("decode_layers", ["scanned", "hoisted"])
+def test_greedy_generation_with_the_cache_matches_transformers(decode_layers):
+    """hoisted: attention's q|k|v and the dense layer's gate|up fused, the experts apart."""
     from jqlora.models.generate import generate
 
     tm = mc.tiny_moe("qwen3_moe")
     params = {k: jnp.asarray(v.numpy()) for k, v in tm.state_dict().items()}
     m = models.from_params(params, tm.config.to_dict(), compute_dtype=jnp.float32)
     prompt = _ids(b=1, t=6, seed=3)
-    out = np.asarray(generate(m, prompt, 8))
+    out = np.asarray(generate(m, prompt, 8, decode_layers=decode_layers))
     with torch.no_grad():
         ref = tm.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False, min_new_tokens=8).numpy()
     np.testing.assert_array_equal(out, ref)
