@@ -267,11 +267,10 @@ def run_torch(c: dict, seq: int, steps: int, tiny: bool, *, targets="all-linear"
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+    """$JQLORA_COMMIT where set (the GPU machine's copy of the tree has another .git), else HEAD."""
+    from benchmarks.product_bench import measured_commit
+
+    return measured_commit() or "unknown"
 
 
 def _side_in_subprocess(side: str, a) -> dict:
