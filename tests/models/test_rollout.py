@@ -73,6 +73,14 @@ def test_greedy_logprobs_equal_a_full_forward(m, greedy):
     assert (greedy.logprobs < 0).all()
 
 
+def test_hoisted_layers_with_fused_projections_give_the_same_rollouts(m, greedy):
+    """On a CPU `auto` scans the layers; on a GPU rollouts hoist them and fuse q|k|v and gate|up
+    (`DecoderLayer.fuse_projections`): the tokens and log-probabilities must not change."""
+    r = generate_batch(m, PROMPTS, N, key=None, temperature=0.0, return_logprobs=True, decode_layers="hoisted")
+    np.testing.assert_array_equal(r.tokens, greedy.tokens)
+    np.testing.assert_allclose(r.logprobs, greedy.logprobs, rtol=0, atol=2e-5)
+
+
 def test_stop_tokens_end_each_row_and_pad_after(m, greedy):
     g = greedy.tokens
     eos, stop, pad = int(g[0, 2]), int(g[1, 4]), 127
