@@ -9,7 +9,9 @@ warm up, then traces `--steps` steps with `jax.profiler` and sums the GPU kernel
 Perfetto trace. Each kernel is put in a category (GEMM, dequant, attention, XLA fusion, ...);
 cuBLAS GEMMs are labelled with their operand shapes from the optimized HLO, so the frozen-weight
 GEMMs (K or N of the model's hidden/intermediate size, M = tokens) and the LoRA GEMMs (a rank-r
-operand) are told apart. Writes $OUT/train_profile_<shape>.json and prints a summary table.
+operand) are told apart. XLA's command buffers (CUDA graphs) are off in this process unless
+`--command-buffers`: inside one, the trace gives the buffer, not the instruction, as each kernel's
+HLO op. Writes $OUT/train_profile_<shape>.json and prints a summary table.
 """
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ def gemm_label(line: str | None, lines: dict, lora_rank: int) -> str:
     """'gemm lora' if the result or an operand has a dimension equal to the LoRA rank, else
     'gemm frozen/head'; with the result and operand shapes (operands looked up by name, since
     optimized HLO prints fusion operands without shapes)."""
+    if line == "":
+        return "gemm (inside a command buffer)"
     if not line:
         return "gemm (no HLO line)"
     call = line.split("=", 1)[1].split("custom_call_target")[0].split("calls=")[0]
@@ -68,10 +72,23 @@ def gemm_label(line: str | None, lines: dict, lora_rank: int) -> str:
     return f"gemm {kind} " + " ".join(shapes[:4])
 
 
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+
+
+def without_command_buffers(xla_flags: str) -> str:
+    """XLA_FLAGS with XLA's command buffers (CUDA graphs) off. Inside a command buffer the trace
+    names the buffer (`command_buffer_16`) as every kernel's HLO op, so no kernel could be told
+    from another by its instruction (a frozen GEMM from a LoRA GEMM); kernel times are the same."""
+    kept = [f for f in xla_flags.split() if not f.startswith("--xla_gpu_enable_command_buffer")]
+    return " ".join(kept + [NO_COMMAND_BUFFERS])
+
+
 def categorize(name: str, hlo_op: str | None, lines: dict, lora_rank: int) -> tuple[str, str]:
     """(category, label) of one kernel."""
     low = name.lower()
     line = lines.get(hlo_op or "")
+    if line is None and (hlo_op or "").startswith("command_buffer"):
+        line = ""  # run with command buffers off (`without_command_buffers`) to attribute it
     if "dequantize_4bit" in low or "dequantize_int8" in low or "dequant" in low:
         return "dequant", name
     if _ATTN_NAME.search(name):
@@ -123,7 +140,11 @@ def main(argv=None):
     p.add_argument("--packed", action="store_true", help="pass segment ids (attention gets the (T, T) mask)")
     p.add_argument("--optimizer", default="adamw", help="adamw or adamw8bit (make_optimizer)")
     p.add_argument("--weights", default="nf4", help="nf4 or bf16: the base weights (train_bench --weights)")
+    p.add_argument("--command-buffers", action="store_true",
+                   help="keep XLA's command buffers (CUDA graphs): kernels inside them cannot be attributed")
     a = p.parse_args(argv)
+    if not a.command_buffers:  # read when jax initialises its backend, so set before that
+        os.environ["XLA_FLAGS"] = without_command_buffers(os.environ.get("XLA_FLAGS", ""))
     if a.shape == "moe" and (a.weights, a.backend, a.attention, a.packed) != ("nf4", "auto", "cudnn", False):
         p.error("--shape moe builds moe_bench's step (NF4, the CLI's attention and kernels, unpacked rows): "
                 "--weights, --backend, --attention and --packed do not apply")
@@ -169,7 +190,7 @@ def main(argv=None):
                peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, compiled_gib=plan, weights=a.weights,
                seq=a.seq, steps=a.steps, attention=a.attention, packed=a.packed,
                wall_step_s=[round(t, 4) for t in times], device=jax.devices()[0].device_kind,
-               jax=jax.__version__, kernel_events=len(events))
+               jax=jax.__version__, kernel_events=len(events), xla_flags=os.environ.get("XLA_FLAGS", ""))
     out_dir = os.environ.get("OUT", "/tmp")
     tag = f"{a.shape}" + (f"_{a.layers}l" if a.layers else "") + ("" if a.weights == "nf4" else f"_{a.weights}") \
         + ("" if a.optimizer == "adamw" else f"_{a.optimizer}")

@@ -49,6 +49,21 @@ def test_gemms_are_split_into_frozen_and_lora_by_operand_shapes():
     assert tp.categorize("loop_multiply_fusion_32", "loop_multiply_fusion.32", lines, 16)[0] == "xla fusion"
 
 
+def test_kernels_inside_a_command_buffer_are_named_as_such():
+    """The trace names a command buffer as the HLO op of every kernel inside it: no instruction to
+    attribute, so the label says why (the profile turns command buffers off by default)."""
+    lines = tp.hlo_lines(HLO)
+    cat, label = tp.categorize("nvjet_sm90_tst_128x256", "command_buffer_16", lines, 16)
+    assert (cat, label) == ("gemm frozen/head", "gemm (inside a command buffer)")
+    assert tp.categorize("nvjet_sm90_tst_128x256", "custom-call.404", lines, 16)[1] == "gemm (no HLO line)"
+
+
+def test_command_buffers_are_turned_off_keeping_the_other_flags():
+    flags = tp.without_command_buffers("--xla_gpu_enable_command_buffer=+WHILE --xla_dump_to=/tmp/d")
+    assert flags.split() == ["--xla_dump_to=/tmp/d", "--xla_gpu_enable_command_buffer="]
+    assert tp.without_command_buffers("") == "--xla_gpu_enable_command_buffer="
+
+
 def test_summary_is_per_step_and_sums_to_the_device_total():
     res = tp.summarize(tp.kernel_events(_trace()), tp.hlo_lines(HLO), steps=2, lora_rank=16)
     assert res["total_us"] == 150.0  # (200 + 30 + 8 + 12 + 50) / 2 steps
@@ -64,7 +79,9 @@ def test_main_runs_end_to_end_on_cpu(tmp_path, monkeypatch):
     """The whole script on the CPU test machine: build, bind, trace, parse, write (no GPU
     kernels here, so zero device time)."""
     monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("XLA_FLAGS", "")  # main() sets it for its own process; restored after the test
     tp.main(["--shape", "tiny", "--seq", "32", "--attention", "einsum", "--steps", "1"])
     res = json.loads((tmp_path / "train_profile_tiny.json").read_text())
+    assert res["xla_flags"] == tp.NO_COMMAND_BUFFERS
     assert res["shape"] == "tiny" and res["steps"] == 1 and len(res["wall_step_s"]) == 1
     assert (tmp_path / "train_profile_tiny.hlo.txt.gz").stat().st_size > 0
