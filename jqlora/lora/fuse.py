@@ -7,7 +7,7 @@ The fused layer computes what the layers compute, concatenated along the output:
 bases' rows stacked (`jqlora.quant.rows`); its LoRA branch stacks the A matrices and places each
 B in its own rows and rank columns of one block matrix (zeros elsewhere), so no layer's output
 reads another's LoRA. Where the layers' LoRA scales differ, each B carries its own scale and the
-fused scale is 1 (one more rounding of B, in its float32 parameter dtype). Biases concatenate
+fused scale is 1 (one more rounding of B, in the LoRA arrays' dtype). Biases concatenate
 (zeros for a layer without one). The fused layer has no dropout: it is built for inference."""
 from __future__ import annotations
 
@@ -42,13 +42,15 @@ def fuse_linears(linears: Sequence[QLoRALinear]) -> QLoRALinear:
     first = linears[0]
     bias = None
     if any(m.bias is not None for m in linears):
-        dtype = next(m.bias[...].dtype for m in linears if m.bias is not None)
-        bias = jnp.concatenate([m.bias[...].astype(dtype) if m.bias is not None else jnp.zeros((m.out_features,), dtype)
-                                for m in linears])
-    fused = QLoRALinear(concat_rows([m.base.get_value() for m in linears]), bias=bias,
-                        compute_dtype=first.compute_dtype, backend=first.backend, param_dtype=first.param_dtype,
-                        numerics=first.numerics)
+        bias_dtype = next(m.bias[...].dtype for m in linears if m.bias is not None)
+        bias = jnp.concatenate([m.bias[...].astype(bias_dtype) if m.bias is not None
+                                else jnp.zeros((m.out_features,), bias_dtype) for m in linears])
     with_lora = [m for m in linears if m.rank]
+    # the LoRA arrays' own dtype: rollouts cast them to the compute dtype once, before their loop
+    dtype = jnp.result_type(*(m.lora_A[...] for m in with_lora)) if with_lora else first.param_dtype
+    fused = QLoRALinear(concat_rows([m.base.get_value() for m in linears]), bias=bias,
+                        compute_dtype=first.compute_dtype, backend=first.backend, param_dtype=dtype,
+                        numerics=first.numerics)
     if not with_lora:
         return fused
     scales = {m.scale for m in with_lora}
@@ -56,15 +58,15 @@ def fuse_linears(linears: Sequence[QLoRALinear]) -> QLoRALinear:
     rank = sum(m.rank for m in with_lora)
     blocks, col = [], 0
     for m in linears:
-        block = jnp.zeros((m.out_features, rank), first.param_dtype)
+        block = jnp.zeros((m.out_features, rank), dtype)
         if m.rank:
-            b = m.lora_B[...].astype(first.param_dtype)
+            b = m.lora_B[...].astype(dtype)
             if scale != m.scale:
-                b = b * jnp.asarray(m.scale, first.param_dtype)
+                b = b * jnp.asarray(m.scale, dtype)
             block = block.at[:, col:col + m.rank].set(b)
             col += m.rank
         blocks.append(block)
-    lora_a = jnp.concatenate([m.lora_A[...].astype(first.param_dtype) for m in with_lora])
+    lora_a = jnp.concatenate([m.lora_A[...].astype(dtype) for m in with_lora])
     fused.attach_lora(rank, rank, use_rslora=False, lora_A=lora_a)
     fused.set_lora(lora_a, jnp.concatenate(blocks))
     fused.scale = scale  # exactly the layers' scale (alpha / rank would round it again)

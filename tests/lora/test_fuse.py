@@ -78,6 +78,20 @@ def test_fused_in_bf16_matches_the_layers_within_rounding():
     np.testing.assert_allclose(np.asarray(fused(x), np.float32), want, rtol=2e-2, atol=2e-2)
 
 
+def test_lora_arrays_keep_the_dtype_they_hold():
+    """Rollouts cast the LoRA state to the compute dtype once, before their decode loop: the fused
+    branch must not turn it back into float32 (a cast per layer and token)."""
+    layers = [_layer(i, n, rank=4, alpha=8) for i, n in enumerate((64, 16))]
+    for m in layers:
+        m.lora_A.set_value(m.lora_A[...].astype(jnp.bfloat16))
+        m.lora_B.set_value(m.lora_B[...].astype(jnp.bfloat16))
+    fused = fuse_linears(layers)
+    assert fused.lora_A[...].dtype == jnp.bfloat16 and fused.lora_B[...].dtype == jnp.bfloat16
+    x = _x()
+    want = np.concatenate([np.asarray(m(x)) for m in layers], axis=-1)
+    np.testing.assert_allclose(np.asarray(fused(x)), want, rtol=1e-6, atol=1e-6)
+
+
 def test_what_cannot_be_fused_is_refused_with_its_reason():
     assert "mixed formats" in fusion_problem([_layer(0, 64, "nf4"), _layer(1, 64, "int8")])
     assert "different settings" in fusion_problem([_layer(0, 64), _layer(1, 64, backend="xla")])
