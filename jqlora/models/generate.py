@@ -117,8 +117,10 @@ def prefill(model, prompt, prompt_mask, max_len: int):
 def decode_layer_states(model, hoist: bool, fuse: bool = True):
     """The layers sliced once, before a decode loop (loop invariants), or None to scan them.
     fuse: each layer's projections that read one input (q|k|v, gate|up) run as one product
-    (`DecoderLayer.fuse_projections`)."""
-    return [stack.layer_states(fuse) for stack in model.model.layers.stacks] if hoist else None
+    (`DecoderLayer.fuse_projections`). The LoRA matrices are cast to the compute dtype once, here."""
+    if not hoist:
+        return None
+    return [stack.layer_states(fuse, model.compute_dtype) for stack in model.model.layers.stacks]
 
 
 def decode_step(model, tok, pos, cache, layer_states):

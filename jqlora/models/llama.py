@@ -302,26 +302,28 @@ class DecoderStack(LayerStack):
     forward is one `lax.scan` over them, so the compiled program holds one layer's code whatever
     the depth."""
 
-    def layer_states(self, fuse: bool = False) -> "HoistedLayers":
+    def layer_states(self, fuse: bool = False, lora_dtype=None) -> "HoistedLayers":
         """Each layer's (RNG state, other state), sliced out of the stacks: what `__call__(layers=...)`
         runs. Sliced once outside a decode loop, the slices are that loop's invariants; sliced by
         the scan inside it, every token would copy every layer's weights again (a kernel takes a
         whole array, not a slice of one). fuse: each layer's projections that read one input run
-        as one product (`DecoderLayer.fuse_projections`; the layers must be in eval mode)."""
-        graphdef, rng_state, rest = nnx.split(self.layer, nnx.RngState, ...)
-        states = [jax.tree.map(lambda a, j=j: a[j], (rng_state, rest)) for j in range(self.size)]
-        if not fuse:
-            return HoistedLayers(graphdef, states, {})
-        fused, left, fused_def = [], {}, None
-        for rng_j, rest_j in states:
-            layer = nnx.merge(graphdef, rng_j, rest_j)
-            left = layer.fuse_projections()
+        as one product (`DecoderLayer.fuse_projections`; the layers must be in eval mode).
+        lora_dtype: the LoRA matrices cast to it once, here (the compute dtype: every product
+        rounds them to it, and inside the loop that would be a cast per layer and token)."""
+        graphdef, rng_state, lora, rest = nnx.split(self.layer, nnx.RngState, nnx.LoRAParam, ...)
+        if lora_dtype is not None:
+            lora = jax.tree.map(lambda a: a.astype(lora_dtype), lora)
+        out, left, out_def = [], {}, None
+        for j in range(self.size):
+            layer = nnx.merge(graphdef, *jax.tree.map(lambda a: a[j], (rng_state, lora, rest)))
+            if fuse:
+                left = layer.fuse_projections()
             layer_def, *layer_state = nnx.split(layer, nnx.RngState, ...)
-            if fused_def is not None and layer_def != fused_def:
-                raise AssertionError("layers of one stack fused into different structures")
-            fused_def = layer_def
-            fused.append(tuple(layer_state))
-        return HoistedLayers(fused_def, fused, left)
+            if out_def is not None and layer_def != out_def:
+                raise AssertionError("layers of one stack hoisted into different structures")
+            out_def = layer_def
+            out.append(tuple(layer_state))
+        return HoistedLayers(out_def, out, left)
 
     def __call__(self, x, aux, cache, *, index, impl, plain_causal, policy, collect: bool, layers=None,
                  cache_row: Optional[int] = None, ring: bool = False, router_logits: bool = False):

@@ -93,6 +93,22 @@ def test_projections_of_different_formats_stay_apart():
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(apart))
 
 
+def test_hoisted_lora_matrices_are_in_the_compute_dtype():
+    """Every product rounds LoRA to the compute dtype; hoisted, they are cast once, not per token."""
+    from jqlora import lora
+    params = models.init_params({**CFG, "num_hidden_layers": 2}, seed=0, std=0.1)
+    m = models.from_params(params, {**CFG, "num_hidden_layers": 2}, quantize="nf4", compute_dtype=jnp.bfloat16,
+                           lora=lora.LoraConfig(rank=4), rngs=nnx.Rngs(0))
+    for fuse in (True, False):
+        layer, _ = _hoisted_layer(m, fuse)
+        mats = [v[...] for _, v in nnx.iter_graph(layer) if isinstance(v, nnx.LoRAParam)]
+        assert mats and all(a.dtype == jnp.bfloat16 for a in mats), fuse
+    assert m.model.layers[0].self_attn.q_proj.lora_A[...].dtype == jnp.float32  # the model is untouched
+    ids, mask = _left_padded_prompt()
+    hoisted, scanned = (generate(m, ids, 4, attention_mask=mask, decode_layers=how) for how in ("hoisted", "scanned"))
+    np.testing.assert_array_equal(np.asarray(hoisted), np.asarray(scanned))
+
+
 def _lowered(m, hoist: bool) -> str:
     graphdef, state = nnx.split(m)
     ids = _ids(1, 5)
