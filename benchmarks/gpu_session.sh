@@ -21,6 +21,10 @@
 #                                              # weights, torch) and decode 8B/1B, one call (~6 min)
 #   bash benchmarks/gpu_session.sh product [1b|8b]  # the product path: `jqlora train`/`generate` with
 #                                                   # defaults, cold and warm cache, vs torch (<= 9.5 min)
+#   bash benchmarks/gpu_session.sh moe       # Qwen3-30B-A3B shape: jqlora vs transformers + PEFT + bnb in one
+#                                            # call, the grouped kernels vs bf16 at the step's shapes (~8 min)
+#   bash benchmarks/gpu_session.sh moe-2gpu  # 2 GPUs: the same jqlora step on GPU 0, then fsdp=2, then
+#                                            # data=2 (one 2,048-token row a GPU; ~8 min)
 # Carry `.whl` (bitsandbytes and flatbuffers wheels, see docs/benchmarks.md). Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/jqlora-out}
@@ -128,4 +132,17 @@ case "${1:-tests}" in
      timeout 140 $tb --shape 70b --remat auto --mesh fsdp=4 --steps 1 --seq 16384
      ) > "$OUT/scale_4gpu.jsonl" 2> "$OUT/scale_4gpu.log"
     grep -v "^  " "$OUT/scale_4gpu.log" | tail -12; cat "$OUT/scale_4gpu.jsonl" ;;
+  moe)
+    # both sides in one call (each in its own process), then the grouped products at the step's shapes
+    timeout 330 python3 -m benchmarks.moe_bench --steps 3 --optimizer adamw8bit --out "$OUT" --tag _adamw8bit \
+      2>&1 | tee "$OUT/moe.log" | grep -v "^  " | tail -8
+    timeout 240 python3 -m benchmarks.grouped_bench --out "$OUT" --budget-s 200 2>&1 | tee "$OUT/grouped.log" | tail -24 ;;
+  moe-2gpu)
+    # a one-GPU baseline and the two meshes, one machine, one call
+    mb="python3 -m benchmarks.moe_bench --side jax --steps 3 --optimizer adamw8bit --out $OUT"
+    (CUDA_VISIBLE_DEVICES=0 timeout 170 $mb --tag _1gpu
+     timeout 170 $mb --mesh fsdp=2 --tag _fsdp2
+     timeout 170 $mb --mesh data=2 --tag _data2
+     ) > "$OUT/moe_2gpu.log" 2>&1
+    grep -v "^  " "$OUT/moe_2gpu.log" | grep -i "tokens_per_s\|error\|wrote" | tail -12 ;;
 esac
