@@ -11,12 +11,12 @@ every layer's weights on every token: about half of the decode time measured on 
 once, before the decode loop, and run one after another inside it: no copy per token, at the
 price of a second copy of the layer weights while generating and a longer compilation (the
 layers are unrolled). "auto" hoists when two copies of the weights and the KV cache fit in 90% of
-the device's memory; on a CPU (no memory limit reported, cheap copies) it scans.
+the device's memory; on a CPU (no memory limit reported) it scans, which compiles faster there.
 
 Fused projections: with hoisted layers, the projections that read one input, q|k|v and gate|up,
 run as one product each (`jqlora.lora.fuse`; 4 products a layer instead of 7). At one token a
-4-bit product costs about 4 us however small its weight, so this is a tenth of an 8B token's time
-and a sixth of a 1B token's on an H200 (benchmarks/results/JOURNAL.md). The fused 4-bit weights
+4-bit product costs about 4 us however small its weight, so this saves 8% of an 8B token's time
+and 12% of a 1B token's on an H200 (benchmarks/results/JOURNAL.md). The fused 4-bit weights
 hold de-nested float32 scales (`jqlora.quant.rows`), 3 bytes more per 64 weights."""
 from __future__ import annotations
 
