@@ -25,6 +25,9 @@
 #                                            # call, the grouped kernels vs bf16 at the step's shapes (~8 min)
 #   bash benchmarks/gpu_session.sh moe-2gpu  # 2 GPUs: the same jqlora step on GPU 0, then fsdp=2, then
 #                                            # data=2 (one 2,048-token row a GPU; ~8 min)
+#   bash benchmarks/gpu_session.sh surogate  # Surogate's published configuration on a Qwen3-8B shape:
+#                                            # 2 x 2,048 tokens packed, LoRA r=16 alpha 32 on 7 projections;
+#                                            # NF4 and bf16 weights (~3 min)
 # Carry `.whl` (bitsandbytes and flatbuffers wheels, see docs/benchmarks.md). Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/jqlora-out}
@@ -137,6 +140,13 @@ case "${1:-tests}" in
     timeout 330 python3 -m benchmarks.moe_bench --steps 3 --optimizer adamw8bit --out "$OUT" --tag _adamw8bit \
       2>&1 | tee "$OUT/moe.log" | grep -v "^  " | tail -8
     timeout 240 python3 -m benchmarks.grouped_bench --out "$OUT" --budget-s 200 2>&1 | tee "$OUT/grouped.log" | tail -24 ;;
+  surogate)
+    # Qwen3-8B shape, batch 2 x 2,048 tokens, 4 documents packed in a row, remat auto, cuDNN attention
+    tb="python3 -m benchmarks.train_bench --side jax --attention cudnn --shape qwen3-8b --rows 2 --packed --docs 4 --remat auto --steps 5"
+    (timeout 120 $tb --weights nf4
+     timeout 120 $tb --weights bf16
+     ) > "$OUT/surogate.jsonl" 2> "$OUT/surogate.log"
+    grep -v "^  " "$OUT/surogate.log" | tail -6; cat "$OUT/surogate.jsonl" ;;
   moe-2gpu)
     # a one-GPU baseline and the two meshes, one machine, one call
     mb="python3 -m benchmarks.moe_bench --side jax --steps 3 --optimizer adamw8bit --out $OUT"

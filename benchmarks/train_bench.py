@@ -32,7 +32,19 @@ SHAPES = {
                num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    # Qwen3-8B's shape (q/k norms, vocab 151,936): the configuration Surogate publishes is batch 2 x
+    # 2,048 tokens, packed (`--shape qwen3-8b --rows 2 --packed`)
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                     model_type="qwen3"),
+    "qwen3-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False,
+                       model_type="qwen3"),  # CPU smoke
 }
+FAMILY = {"llama": dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
+                        max_position_embeddings=8192),
+          "qwen3": dict(architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6, rope_theta=1000000.0,
+                        max_position_embeddings=40960)}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WEIGHTS = ("nf4", "bf16")  # the frozen base: random NF4 (QLoRA) or dense bf16 (bf16-weight LoRA)
 
@@ -48,9 +60,9 @@ def hf_config(shape: str, layers: int | None = None) -> dict:
     c = dict(SHAPES[shape])
     if layers is not None:
         c["num_hidden_layers"] = layers
-    c.update(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
-             max_position_embeddings=8192, hidden_act="silu", attention_bias=False, mlp_bias=False,
-             torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+    family = c.setdefault("model_type", "llama")
+    c.update(FAMILY[family], hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="bfloat16",
+             bos_token_id=1, eos_token_id=2)
     return c
 
 
@@ -110,7 +122,8 @@ def _random_nf4(key, shape, mesh, makers: dict):
 
 def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", layers: int | None = None,
               mesh=None, remat="nothing_saveable", lora: bool = True, weights: str = "nf4",
-              compute_dtype: str = "bfloat16", base_matmul: str = "compute", optimizer: str = "adamw"):
+              compute_dtype: str = "bfloat16", base_matmul: str = "compute", optimizer: str = "adamw",
+              rows: int = 1):
     """The jqlora side's model, optimizer and one batch (random weights, quantized on device);
     `layers` overrides the shape's layer count; lora=False builds the bare quantized model (what
     `jqlora generate` runs without an adapter). With a `mesh` (jqlora.parallel) every weight is
@@ -118,7 +131,8 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
     weights="bf16": the decoder's linear weights stay dense bf16 (no quantization), everything
     else as with "nf4". compute_dtype: the model's (float32 is what the CLI runs on a CPU).
     base_matmul: "compute" or "fp8", the NF4 weights' products (`from_params(base_matmul=)`).
-    optimizer: "adamw" or "adamw8bit" (`make_optimizer(optimizer=)`)."""
+    optimizer: "adamw" or "adamw8bit" (`make_optimizer(optimizer=)`). rows: rows of `seq` tokens
+    a device takes per step."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -158,6 +172,9 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
     for layer in range(L):
         for j, (name, s) in enumerate(dims.items()):
             params[f"model.layers.{layer}.{name}{suffix}"] = make(jax.random.key(1000 * layer + j + 7), s)
+        if c["model_type"] == "qwen3":  # RMSNorm of each head's q and k
+            for norm in ("q_norm", "k_norm"):
+                params[f"model.layers.{layer}.self_attn.{norm}.weight"] = jnp.ones((c["head_dim"],), jnp.bfloat16)
         params[f"model.layers.{layer}.input_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
         params[f"model.layers.{layer}.post_attention_layernorm.weight"] = jnp.ones((h,), jnp.bfloat16)
     jax.block_until_ready(params)
@@ -170,7 +187,7 @@ def build_jax(shape: str, seq: int, backend: str, attention: str = "einsum", lay
     if not lora:
         return model, None, None
     opt = nnx.Optimizer(model, make_optimizer(1e-4, 2, 1000, optimizer=optimizer), wrt=nnx.LoRAParam)
-    return model, opt, make_batch(v, 1 if mesh is None else int(mesh.size), seq)
+    return model, opt, make_batch(v, rows * (1 if mesh is None else int(mesh.size)), seq)
 
 
 def frozen_formats(model) -> dict:
@@ -237,7 +254,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
             loss_chunk: int | None = None, dispatch: str = "bound", packed: bool = False,
             docs: int = 1, segment_tables: bool = True, mesh_spec: str | None = None,
             remat="nothing_saveable", weights: str = "nf4", base_matmul: str = "compute",
-            optimizer: str = "adamw") -> dict:
+            optimizer: str = "adamw", rows_per_device: int = 1) -> dict:
     import functools
 
     import jax
@@ -254,7 +271,7 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
 
     mesh = parallel.resolve_mesh(mesh_spec) if mesh_spec else None
     model, opt, batch = build_jax(shape, seq, backend, attention, mesh=mesh, remat=remat, weights=weights,
-                                  base_matmul=base_matmul, optimizer=optimizer)
+                                  base_matmul=base_matmul, optimizer=optimizer, rows=rows_per_device)
     formats = frozen_formats(model)
     rows = batch["input_ids"].shape[1]  # tokens per step: rows x seq
     if not packed:  # one sequence per row, as train(packing=False) feeds it (and as torch runs)
@@ -262,8 +279,8 @@ def run_jax(shape: str, steps: int, seq: int, backend: str, attention: str = "ei
     else:  # `docs` equal documents per row, positions restarting in each, as train() packs them
         seg = np.minimum(np.arange(seq) * docs // seq + 1, docs).astype(np.int32)
         starts = np.searchsorted(seg, seg)
-        batch["segment_ids"] = seg[None, None]
-        batch["positions"] = (np.arange(seq) - starts).astype(np.int32)[None, None]
+        batch["segment_ids"] = np.broadcast_to(seg, (1, rows, seq)).copy()
+        batch["positions"] = np.broadcast_to((np.arange(seq) - starts).astype(np.int32), (1, rows, seq)).copy()
         if attention == "cudnn" and segment_tables:  # what train() adds for cuDNN's packed layout
             from jqlora.train.data import SegmentTables
 
@@ -352,17 +369,19 @@ def one_step(run, batch, rows: int, seq: int, backend: str, attention: str) -> d
             "host_peak_rss_gib": round(host_peak, 2), "device": jax.devices()[0].device_kind}
 
 
-def run_torch(shape: str, steps: int, seq: int, quantized: bool = True, optimizer: str = "adamw") -> dict:
+def run_torch(shape: str, steps: int, seq: int, quantized: bool = True, optimizer: str = "adamw",
+              rows: int = 1) -> dict:
     import os
     import tempfile
 
     import numpy as np
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     c = hf_config(shape)
-    cfg = LlamaConfig(**{k: v for k, v in c.items() if k not in ("model_type", "architectures", "torch_dtype")})
+    cfg = AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items()
+                                                   if k not in ("model_type", "architectures", "torch_dtype")})
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as d:
         torch.manual_seed(0)
         dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test of this code path
@@ -393,7 +412,7 @@ def run_torch(shape: str, steps: int, seq: int, quantized: bool = True, optimize
         opt = bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     else:
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(0, c["vocab_size"], (1, seq), device=dev)
+    ids = torch.randint(0, c["vocab_size"], (rows, seq), device=dev)
     cuda = dev == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
@@ -443,8 +462,10 @@ def run_torch(shape: str, steps: int, seq: int, quantized: bool = True, optimize
         pending[1].synchronize()
     piped_losses.append(pending[0].item())
     piped_s = (time.perf_counter() - t0) / steps
-    return {"side": "torch qlora" if quantized else "torch bf16 lora", "step_s": step_s, "tokens_per_s": seq / step_s,
-            "pipelined_step_s": piped_s, "pipelined_tokens_per_s": seq / piped_s, "pipelined_losses": piped_losses,
+    return {"side": "torch qlora" if quantized else "torch bf16 lora",
+            "model_class": type(model.get_base_model()).__name__, "rows": rows, "step_s": step_s,
+            "tokens_per_s": rows * seq / step_s, "pipelined_step_s": piped_s,
+            "pipelined_tokens_per_s": rows * seq / piped_s, "pipelined_losses": piped_losses,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "warmup_s": warm_s,
             "gradient_checkpointing": model.training and any(
                 getattr(mod, "gradient_checkpointing", False) is True for mod in model.modules()),
@@ -458,6 +479,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5,
                    help="timed steps per loop; 0 (jax side, one device): compile ahead, run one step")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--rows", type=int, default=1, help="rows of --seq tokens per step (per device with --mesh)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--attention", default="einsum", choices=["einsum", "xla", "cudnn"])
     p.add_argument("--loss-chunk", type=int, default=None, help="tokens per LM-head/loss chunk (jax side)")
@@ -503,11 +525,11 @@ def main(argv=None):
         remat = False if a.remat == "none" else a.remat
         res = run_jax(a.shape, a.steps, a.seq, a.backend, a.attention, a.loss_chunk, a.dispatch, a.packed,
                       a.docs, not a.no_segment_tables, a.mesh, remat=remat, weights=a.weights,
-                      base_matmul=a.base_matmul, optimizer=a.optimizer)
+                      base_matmul=a.base_matmul, optimizer=a.optimizer, rows_per_device=a.rows)
         res["remat"] = a.remat
         res["base_matmul"] = a.base_matmul
     else:
-        res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch", optimizer=a.optimizer)
+        res = run_torch(a.shape, a.steps, a.seq, quantized=a.side == "torch", optimizer=a.optimizer, rows=a.rows)
         res["weights"] = "nf4" if a.side == "torch" else "bf16"
     res["optimizer"] = a.optimizer
     c = hf_config(a.shape)
