@@ -67,15 +67,16 @@ def test_bf16_compute_matches_transformers_bf16(dense):
     assert fc.rel_error(m(jnp.asarray(ids)).astype(jnp.float32), ref) < 3e-2, kind
 
 
-def test_greedy_generation_equals_transformers(dense):
+@pytest.mark.parametrize("decode_layers", ["scanned", "hoisted"])
+def test_greedy_generation_equals_transformers(dense, decode_layers):
     """Cached decoding (windows and soft-caps in the decode path) gives transformers' greedy tokens,
-    past the window."""
+    past the window; hoisted: q|k|v and the GeGLU's gate|up fused."""
     kind, tm, params, cfg = dense
     prompt = fc.ids(1, 5, seed=3)
     with torch.no_grad():
         ref = tm.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 5:].numpy()
     m = models.from_params(params, cfg, compute_dtype=jnp.float32)
-    got = np.asarray(models.generate(m, jnp.asarray(prompt), max_new_tokens=12))[0, -12:]
+    got = np.asarray(models.generate(m, jnp.asarray(prompt), max_new_tokens=12, decode_layers=decode_layers))[0, -12:]
     np.testing.assert_array_equal(got, ref)
 
 

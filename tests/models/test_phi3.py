@@ -169,10 +169,12 @@ def test_default_targets_reach_the_fused_projections_and_peft_names_them(phi3):
     assert {"qkv_proj", "gate_up_proj"} <= set(targets)
 
 
-def test_generation_across_the_original_length_equals_transformers(phi3):
+@pytest.mark.parametrize("decode_layers", ["scanned", "hoisted"])
+def test_generation_across_the_original_length_equals_transformers(phi3, decode_layers):
     """A 5-token prompt and 12 new tokens pass original_max_position_embeddings (8): transformers
     recomputes the cache with the long factors there, and so does `generate`; tokens and each
-    step's logits (ring-buffer caches: the window is 12) equal transformers'."""
+    step's logits (ring-buffer caches: the window is 12) equal transformers'. Hoisted: the
+    checkpoint's own qkv_proj and gate_up_proj, nothing more to fuse."""
     tm, params, cfg = phi3
     prompt = fc.ids(1, 5, seed=3)
     with torch.no_grad():
@@ -180,7 +182,8 @@ def test_generation_across_the_original_length_equals_transformers(phi3):
                         output_logits=True, return_dict_in_generate=True)
     ref = torch.stack(r.logits, 1).numpy()
     m = models.from_params(params, cfg, compute_dtype=jnp.float32)
-    seq, logits = models.generate(m, jnp.asarray(prompt), max_new_tokens=12, return_logits=True)
+    seq, logits = models.generate(m, jnp.asarray(prompt), max_new_tokens=12, return_logits=True,
+                                  decode_layers=decode_layers)
     np.testing.assert_array_equal(np.asarray(seq)[0, 5:], r.sequences[0, 5:].numpy())
     assert fc.rel_error(logits, ref) < 1e-5
 
