@@ -6,7 +6,7 @@ projections that read one input (q|k|v, gate|up) saves at one token.
 Per shape (`SHAPES`: Llama-3.2-1B and Llama-3-8B layers), the device time of one `qmatmul` at M
 rows (`auto` dispatch, bf16 x, random NF4 weights, blocksize 64): each projection apart with
 double quantization (as checkpoints store them), q|k|v and gate|up stacked by rows
-(`jqlora.quant.rows.concat_rows`: de-nested float32 scales, what decoding runs) and the same
+(`jqlora.quant.stacked_rows.concat_rows`: de-nested float32 scales, what decoding runs) and the same
 stacks double-quantized (what a stack with one set of nested scales would cost), then the LM head
 (bf16 `x @ E.T` and `qmatmul`). Each product runs over enough weight copies that they stream from
 memory, not L2 (`benchmarks.timing`). Writes $OUT/fused_products.json and prints each shape's
@@ -37,7 +37,7 @@ def product_us(m: int, rows: int, cols: int, stacked_from: tuple = (), nested: b
 
     from benchmarks.timing import distinct_copies, jax_device_ms, l2_defeating_copies
     from jqlora import ops, quant
-    from jqlora.quant.rows import concat_rows
+    from jqlora.quant.stacked_rows import concat_rows
 
     copies = l2_defeating_copies(rows * cols // 2)
     keys = jax.random.split(jax.random.key(rows * 7 + cols), copies * max(1, len(stacked_from)))

@@ -4,7 +4,7 @@ k_proj of Llama-3.2-1B 4.3 us, q|k|v as one product 4.5 us; benchmarks/results/J
 fewer, larger products are most of what a decoded token can save in its projections.
 
 The fused layer computes what the layers compute, concatenated along the output: its base is the
-bases' rows stacked (`jqlora.quant.rows`); its LoRA branch stacks the A matrices and places each
+bases' rows stacked (`jqlora.quant.stacked_rows`); its LoRA branch stacks the A matrices and places each
 B in its own rows and rank columns of one block matrix (zeros elsewhere), so no layer's output
 reads another's LoRA. Where the layers' LoRA scales differ, each B carries its own scale and the
 fused scale is 1 (one more rounding of B, in the LoRA arrays' dtype). Biases concatenate
@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 
 from jqlora.lora.linear import QLoRALinear
-from jqlora.quant.rows import concat_rows, rows_problem
+from jqlora.quant.stacked_rows import concat_rows, rows_problem
 
 
 def fusion_problem(linears: Sequence[QLoRALinear]) -> Optional[str]:

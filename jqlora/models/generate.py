@@ -17,7 +17,7 @@ Fused projections: with hoisted layers, the projections that read one input, q|k
 run as one product each (`jqlora.lora.fuse`; 4 products a layer instead of 7). At one token a
 4-bit product costs about 4 us however small its weight, so this saves 8% of an 8B token's time
 and 12% of a 1B token's on an H200 (benchmarks/results/JOURNAL.md). The fused 4-bit weights
-hold de-nested float32 scales (`jqlora.quant.rows`), 3 bytes more per 64 weights."""
+hold de-nested float32 scales (`jqlora.quant.stacked_rows`), 3 bytes more per 64 weights."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""`jqlora.quant.rows`: weights stacked along their output rows dequantize to exactly the pieces'
+"""`jqlora.quant.stacked_rows`: weights stacked along their output rows dequantize to exactly the pieces'
 rows (the pieces' own dequantization is checked against bitsandbytes in
 test_quant_vs_bitsandbytes.py), on random shapes and every 4-bit layout; what cannot be stacked is
 refused with its reason."""
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jqlora import quant
-from jqlora.quant.rows import concat_rows, rows_problem
+from jqlora.quant.stacked_rows import concat_rows, rows_problem
 
 _dequant = jax.jit(quant.dequantize, static_argnums=(1,))
 
