@@ -82,9 +82,9 @@ def _jax_peak():
 def child_checkpoint(shape: str, ckpt: str) -> int:
     """Random weights -> transformers dense checkpoint -> bitsandbytes NF4 (double quant) checkpoint."""
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from benchmarks.train_bench import hf_config
+    from benchmarks.train_bench import hf_config, transformers_config
     from jqlora.demo import task
 
     t0 = time.perf_counter()
@@ -92,7 +92,7 @@ def child_checkpoint(shape: str, ckpt: str) -> int:
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     c = hf_config(shape)
     c["eos_token_id"] = None  # no EOS: every generation runs to its full length on both sides
-    cfg = LlamaConfig(**{k: v for k, v in c.items() if k not in ("model_type", "architectures", "torch_dtype")})
+    cfg = transformers_config(c)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(ckpt)) as dense:
         with torch.device(dev):

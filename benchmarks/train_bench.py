@@ -66,6 +66,14 @@ def hf_config(shape: str, layers: int | None = None) -> dict:
     return c
 
 
+def transformers_config(c: dict):
+    """The transformers config of an `hf_config` dict, of the shape's own family (Llama, Qwen3)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items()
+                                                    if k not in ("model_type", "architectures", "torch_dtype")})
+
+
 def non_embedding_params(c: dict) -> int:
     h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     d = c["head_dim"]
@@ -377,11 +385,10 @@ def run_torch(shape: str, steps: int, seq: int, quantized: bool = True, optimize
     import numpy as np
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     c = hf_config(shape)
-    cfg = AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items()
-                                                   if k not in ("model_type", "architectures", "torch_dtype")})
+    cfg = transformers_config(c)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as d:
         torch.manual_seed(0)
         dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test of this code path
