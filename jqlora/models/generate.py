@@ -11,7 +11,7 @@ every layer's weights on every token: about half of the decode time measured on 
 once, before the decode loop, and run one after another inside it: no copy per token, at the
 price of a second copy of the layer weights while generating and a longer compilation (the
 layers are unrolled). "auto" hoists when two copies of the weights and the KV cache fit in 90% of
-the device's memory; on a CPU (no memory limit reported) it scans, which compiles faster there.
+the device's memory; on a CPU (no memory limit reported) it scans.
 
 Fused projections: with hoisted layers, the projections that read one input, q|k|v and gate|up,
 run as one product each (`jqlora.lora.fuse`; 4 products a layer instead of 7). At one token a
