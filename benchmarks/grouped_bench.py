@@ -152,7 +152,7 @@ def _time(f, args, tiny: bool, iterations: int) -> float:
 
 
 def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log=print, triton_configs=(),
-          mosaic_configs=(), budget_s: float | None = None) -> dict:
+          mosaic_configs=(), budget_s: float | None = None, projection: str | None = None) -> dict:
     """Every contender at both projections; once `budget_s` seconds have passed, the contenders
     not started are listed under "skipped" (a device call's time limit then still gets a file)."""
     from jqlora.ops import dispatch, grouped_dispatch
@@ -164,6 +164,8 @@ def bench(tiny: bool = False, iterations: int = 10, only: str | None = None, log
     hopper = jax.default_backend() == "gpu" and dispatch.mgpu_available()
     rows, skipped, t0 = [], [], time.perf_counter()
     for i, (name, n, k) in enumerate(shape["projections"]):
+        if projection and name != projection:
+            continue
         key = jax.random.key(10 + i)
         w = (jax.random.normal(key, (e, n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
         weights = {"bf16_raw": w, "bf16": quant.ExpertWeights.from_dense(w),
@@ -218,6 +220,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes, wall time: a CPU smoke run")
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--only", default=None, help="run the contenders whose name contains this")
+    p.add_argument("--projection", default=None, choices=[name for name, _, _ in PROJECTIONS],
+                   help="time this projection alone (default: both)")
     p.add_argument("--out", default=None, help="folder for the JSON result (none: print only)")
     p.add_argument("--tag", default="")
     p.add_argument("--triton-configs", default=None,
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         p.error(str(err))
     res = bench(tiny=a.tiny, iterations=a.iterations, only=a.only, triton_configs=configs, mosaic_configs=mosaic,
-                budget_s=a.budget_s)
+                budget_s=a.budget_s, projection=a.projection)
     res.update(device=device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
                versions=versions(), argv=sys.argv[1:])
     if a.out:

@@ -13,6 +13,8 @@ the wall time per token (the gap is time the GPU waits for the host: launches, l
 Variants: default (the library's settings: `decode_layers="auto"`); hoisted / scanned (the layers
 sliced once before the decode loop, or by a scan on every token: `generate(decode_layers=...)`);
 apart (hoisted, each projection its own product: `generate(fuse_projections=False)`);
+lora / lora_apart (default / apart with a LoRA adapter attached: r = 16 on the 7 projections, its B
+random, what `jqlora generate --adapter` and the RL rollouts run);
 cmdbuf (the defaults with XLA command buffers, i.e. CUDA graphs, for while loops and conditionals
 too: `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
 Writes $OUT/decode_profile_<shape>.json (one record per variant) and prints a table.
@@ -39,14 +41,18 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None) -> dict:
     import numpy as np
 
     from benchmarks.profile.train_profile import hlo_lines, kernel_events, summarize
+    from benchmarks.rollout_bench import randomize_lora_b
     from benchmarks.train_bench import build_jax
     from jqlora import models
 
     t0 = time.perf_counter()
     ids = np.asarray([[5 + (7 * i) % 26 for i in range(PROMPT_LEN)]], np.int32)
-    model, _, _ = build_jax(shape, 2048, "auto", "cudnn", layers=n_layers, remat=False, lora=False)
-    layers = {"hoisted": "hoisted", "scanned": "scanned", "apart": "hoisted"}.get(variant, "auto")
-    fuse = variant != "apart"
+    lora = variant.startswith("lora")
+    model, _, _ = build_jax(shape, 2048, "auto", "cudnn", layers=n_layers, remat=False, lora=lora)
+    if lora:
+        randomize_lora_b(model)
+    layers = {"hoisted": "hoisted", "scanned": "scanned", "apart": "hoisted"}.get(variant.removeprefix("lora_"), "auto")
+    fuse = not variant.endswith("apart")
     gen = lambda n: models.generate(model, ids, n, decode_layers=layers, fuse_projections=fuse)  # noqa: E731
     build_s = time.perf_counter() - t0
     times, compile_s = {}, {}
@@ -114,6 +120,7 @@ def main(argv=None) -> int:
                                                   "by_category_us", "error")}), flush=True)
         for row in rec.get("top_kernels", [])[:12]:
             print(f"    {row['us_per_step']:8.1f} us x{row['launches_per_step']:5.1f}  {row['label'][:100]}")
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"decode_profile_{a.shape}.json"), "w") as f:
         json.dump(recs, f, indent=1)
     return 0
