@@ -54,6 +54,11 @@ GROUPED_OPS = ("grouped_matmul", "grouped_matmul_t", "grouped_matmul_4bit", "gro
 #                            -> (N,K) float8_e4m3fn, W[n,k] * inv_scale[n] clipped to +-448
 #   "dequantize_4bit_fp8_t": the same operands -> its transpose (K,N)
 FP8_OPS = ("dequantize_4bit_fp8", "dequantize_4bit_fp8_t")
+# Attention of cached decoding (jqlora.ops.cached_attention); listed by `attention_variants()`, not
+# `all_variants()`; `supports(batch, heads, slots, head_dim)`:
+#   "decode_attention": fn(q (B,h,d), k_cache, v_cache (L,B,S,kvh,d), layer, index, q_seg (B,),
+#                          k_seg (B,S), *, scale, cap, window, out_dtype, interpret) -> (B,h,d)
+ATTENTION_OPS = ("decode_attention",)
 # What a variant computes, by the weight it effectively multiplies (docs/numerics.md); products
 # are accumulated in fp32 and the output rounded once to out_dtype in every class:
 NUMERICS = (
@@ -64,6 +69,7 @@ NUMERICS = (
     "int8_weight_only",     # x @ (CB * SCB/127).T in x's dtype: bitsandbytes' weight-only int8
     "llm_int8",             # bitsandbytes LLM.int8(): int8 x int8 GEMM + fp16 outlier columns
     "fp8_row_scaled",       # e4m3(code * absmax * inv_scale[row]): the FP8 base products' weight
+    "online_softmax",       # attention: float32 scores and softmax, unrounded probabilities weight v
 )
 # default: a variant `auto` runs (jqlora.ops.dispatch); alternative: useful numerics or speed,
 # selected by `variant=`; experimental: kept for research, slower in every measured cell.
@@ -91,9 +97,9 @@ class Variant:
     default_config: Callable[[int, int, int, int], object] | None = None
 
     def __post_init__(self):
-        if self.op not in OPS + GROUPED_OPS + FP8_OPS:
+        if self.op not in OPS + GROUPED_OPS + FP8_OPS + ATTENTION_OPS:
             raise ValueError(f"variant {self.name!r}: unknown op {self.op!r}; "
-                             f"expected one of {OPS + GROUPED_OPS + FP8_OPS}")
+                             f"expected one of {OPS + GROUPED_OPS + FP8_OPS + ATTENTION_OPS}")
         if self.platform not in PLATFORMS:
             raise ValueError(f"variant {self.name!r}: unknown platform {self.platform!r}; "
                              f"expected one of {PLATFORMS}")
@@ -140,6 +146,9 @@ _GROUPED_MODULES = (
 # The FP8 dequant kernels, ops FP8_OPS; tests/kernels/test_dequant_fp8.py runs each against its
 # reference.
 _FP8_MODULES = ("pallas_kernels.triton.dequant_fp8",)
+# The attention kernels of cached decoding, ops ATTENTION_OPS; tests/kernels/test_decode_attention.py
+# runs each against its reference.
+_ATTENTION_MODULES = ("pallas_kernels.triton.decode_attention",)
 
 
 def _by_module(modules=_MODULES) -> tuple[tuple[str, tuple[Variant, ...]], ...]:
@@ -169,6 +178,16 @@ def fp8_variants() -> tuple[Variant, ...]:
     return out
 
 
+def attention_variants() -> tuple[Variant, ...]:
+    """Every registered attention variant (ops ATTENTION_OPS), in a stable order."""
+    out = tuple(v for _, variants in _by_module(_ATTENTION_MODULES) for v in variants)
+    names = [v.name for v in out] + [v.name for v in all_variants() + grouped_variants() + fp8_variants()]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"duplicate kernel variant names: {sorted(dup)}")
+    return out
+
+
 def all_variants() -> tuple[Variant, ...]:
     """Every registered variant, in a stable order (imports the kernel modules on first use)."""
     out = [v for _, variants in _by_module() for v in variants]
@@ -182,7 +201,7 @@ def all_variants() -> tuple[Variant, ...]:
 def module_of(name: str) -> str:
     """The module that declares variant `name` (e.g. "pallas_kernels.triton.matmul_4bit");
     KeyError naming the known variants otherwise."""
-    for mod, variants in _by_module(_MODULES + _GROUPED_MODULES + _FP8_MODULES):
+    for mod, variants in _by_module(_MODULES + _GROUPED_MODULES + _FP8_MODULES + _ATTENTION_MODULES):
         if any(v.name == name for v in variants):
             return mod
     get(name)  # raises the KeyError
@@ -217,9 +236,9 @@ def defaults() -> tuple[Variant, ...]:
 
 
 def get(name: str) -> Variant:
-    """The variant called `name` (grouped and FP8 variants included); KeyError naming the known
-    variants otherwise."""
-    known = all_variants() + grouped_variants() + fp8_variants()
+    """The variant called `name` (grouped, FP8 and attention variants included); KeyError naming
+    the known variants otherwise."""
+    known = all_variants() + grouped_variants() + fp8_variants() + attention_variants()
     for v in known:
         if v.name == name:
             return v

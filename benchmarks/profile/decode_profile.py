@@ -1,6 +1,6 @@
 """Where the time of one decoded token goes: `jqlora.models.generate` at batch 1, kernel by kernel.
 
-    OUT=/tmp/out python -m benchmarks.profile.decode_profile --shape 1b [--tokens 256] \
+    OUT=/tmp/out python -m benchmarks.profile.decode_profile --shape 1b [--tokens 256] [--prompt 16] \
         [--variants hoisted,scanned,cmdbuf]
 
 Each variant runs in its own process (XLA flags are read once per process) on a random-weight NF4
@@ -15,6 +15,9 @@ sliced once before the decode loop, or by a scan on every token: `generate(decod
 apart (hoisted, each projection its own product: `generate(fuse_projections=False)`);
 lora / lora_apart (default / apart with a LoRA adapter attached: r = 16 on the 7 projections, its B
 random, what `jqlora generate --adapter` and the RL rollouts run);
+einsum_attention / lora_einsum_attention (default / lora with the attention of every decoded token
+on the einsum path instead of the `decode_attention` kernel: the model's backend "xla", which only
+the cached attention reads);
 cmdbuf (the defaults with XLA command buffers, i.e. CUDA graphs, for while loops and conditionals
 too: `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
 Writes $OUT/decode_profile_<shape>.json (one record per variant) and prints a table.
@@ -36,7 +39,7 @@ FLAGS = {"cmdbuf": "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"}
 PROMPT_LEN = 16
 
 
-def child(shape: str, tokens: int, variant: str, n_layers: int | None) -> dict:
+def child(shape: str, tokens: int, variant: str, n_layers: int | None, prompt_len: int = PROMPT_LEN) -> dict:
     import jax
     import numpy as np
 
@@ -46,11 +49,13 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None) -> dict:
     from jqlora import models
 
     t0 = time.perf_counter()
-    ids = np.asarray([[5 + (7 * i) % 26 for i in range(PROMPT_LEN)]], np.int32)
+    ids = np.asarray([[5 + (7 * i) % 26 for i in range(prompt_len)]], np.int32)
     lora = variant.startswith("lora")
     model, _, _ = build_jax(shape, 2048, "auto", "cudnn", layers=n_layers, remat=False, lora=lora)
     if lora:
         randomize_lora_b(model)
+    if variant.endswith("einsum_attention"):
+        model.backend = "xla"
     layers = {"hoisted": "hoisted", "scanned": "scanned", "apart": "hoisted"}.get(variant.removeprefix("lora_"), "auto")
     fuse = not variant.endswith("apart")
     gen = lambda n: models.generate(model, ids, n, decode_layers=layers, fuse_projections=fuse)  # noqa: E731
@@ -77,7 +82,7 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None) -> dict:
             trace = json.load(f)
     events = kernel_events(trace)
     res = summarize(events, hlo_lines(""), tokens, lora_rank=16)
-    return {"shape": shape, "layers": n_layers, "variant": variant, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    return {"shape": shape, "layers": n_layers, "variant": variant, "prompt_len": prompt_len, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "tokens": tokens, "build_s": round(build_s, 1), "compile_s": {str(k): round(v, 2) for k, v in compile_s.items()},
             "one_token_s": round(times[1], 4), f"tokens_{tokens}_s": round(times[tokens], 4),
             "decode_tokens_per_s": round((tokens - 1) / extra, 1) if extra > 1e-4 else None,
@@ -92,12 +97,13 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="1b")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=PROMPT_LEN, help="prompt tokens (the cache holds prompt + tokens)")
     p.add_argument("--variants", default="hoisted,scanned,cmdbuf")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, default=240)
     a = p.parse_args(argv)
     if a.child:
-        print("decode_profile: " + json.dumps(child(a.shape, a.tokens, a.child, a.layers)), flush=True)
+        print("decode_profile: " + json.dumps(child(a.shape, a.tokens, a.child, a.layers, a.prompt)), flush=True)
         return 0
     out = os.environ.get("OUT", "/tmp")
     recs = []
@@ -106,7 +112,7 @@ def main(argv=None) -> int:
         if v in FLAGS:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAGS[v]).strip()
         cmd = [sys.executable, "-m", "benchmarks.profile.decode_profile", "--shape", a.shape, "--tokens",
-               str(a.tokens), "--child", v] + (["--layers", str(a.layers)] if a.layers else [])
+               str(a.tokens), "--prompt", str(a.prompt), "--child", v] + (["--layers", str(a.layers)] if a.layers else [])
         try:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout_s)
             lines = [ln for ln in r.stdout.splitlines() if ln.startswith("decode_profile: ")]
@@ -121,7 +127,8 @@ def main(argv=None) -> int:
         for row in rec.get("top_kernels", [])[:12]:
             print(f"    {row['us_per_step']:8.1f} us x{row['launches_per_step']:5.1f}  {row['label'][:100]}")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"decode_profile_{a.shape}.json"), "w") as f:
+    name = f"decode_profile_{a.shape}" + ("" if a.prompt == PROMPT_LEN else f"_prompt{a.prompt}")
+    with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump(recs, f, indent=1)
     return 0
 

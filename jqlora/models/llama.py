@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jqlora import ops as _ops
 from jqlora.errors import SettingError
-from jqlora.ops import sharding
+from jqlora.ops import cached_attention, sharding
 from jqlora.lora.fuse import fuse_linears, fusion_problem
 from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
 from jqlora.lora.stacked import LayerStack, StackedLayers
@@ -107,8 +107,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, runs=None, kv_cache=None, index=None,
                  impl: str = "einsum", plain_causal: bool = False):
-        """-> (output (B, T, hidden), the updated cache arrays or None). Cached decoding always
-        takes the einsum path."""
+        """-> (output (B, T, hidden), the updated cache arrays or None). impl: an attention of
+        ATTENTION_IMPLS without a cache; with one, the kernel backend of cached decoding, which
+        runs one new token a row through `jqlora.ops.cached_attention` where its kernel takes the
+        step, and the einsum path otherwise (prefill, ring buffers, other head sizes)."""
         cfg = self.config
         b, t, _ = x.shape
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -134,6 +136,10 @@ class Attention(nnx.Module):
             ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], at)
             cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], at)
             new_kv = (ck, cv)
+            if cached_attention.kernel_problem(impl, q.shape, ck.shape) is None:
+                out = cached_attention.decode_attention(q, ck, cv, layer, index, q_seg, k_seg, scale=cfg.attn_scale,
+                                                        cap=cfg.attn_softcap, window=self.window, backend=impl)
+                return self.o_proj(out), new_kv
             k = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(x.dtype)
             v = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(x.dtype)
         out = attend(q, k, v, q_slots, k_slots, q_seg, k_seg, scale=cfg.attn_scale, cap=cfg.attn_softcap,
@@ -412,7 +418,9 @@ class CausalLM(nnx.Module):
     `model.model.layers[i]` is layer i as a write-through view.
     attention: "einsum" (default; scores materialized in float32), "cudnn" (cuDNN flash attention
       through jax.nn.dot_product_attention, GPU, bf16/fp16) or "xla" (the same call's XLA
-      version). Cached decoding always uses the einsum path.
+      version). Cached decoding runs the einsum path, or with one new token a row the
+      `decode_attention` kernel where `backend` picks it (`jqlora.ops.cached_attention`: on a GPU
+      under "auto").
     """
 
     def __init__(self, config: ModelConfig, src: "_Source", *, compute_dtype=jnp.bfloat16, remat=False,
@@ -495,7 +503,7 @@ class CausalLM(nnx.Module):
         x = self.model.embed_tokens(input_ids, dtype)
         states = {"embed": x}
 
-        impl = self.attention
+        impl = self.attention if cache is None else self.backend  # cached: the decode attention's backend
         plain_causal = segment_ids is None and cache is None  # static: no mask array needed
         runs = None  # packed rows under cuDNN: per-segment lengths/offsets instead of a (T, T) mask
         if (impl == "cudnn" and segment_runs is not None and segment_ids is not None and cache is None

@@ -1,7 +1,7 @@
 """Generation with the decoder layers sliced once before the decode loop (`decode_layers="hoisted"`)
 against the scan over stacked layers inside it ("scanned"), and the "auto" choice between them;
 the hoisted layers' fused projections (q|k|v, gate|up as one product each) against the layers
-run apart."""
+run apart; decoding attention through the `decode_attention` kernel against the einsum path."""
 import importlib
 import re
 
@@ -13,6 +13,7 @@ from flax import nnx
 
 from jqlora import models, quant
 from jqlora.models import generate, remat
+from jqlora.ops import cached_attention
 from test_scan import CFG, _ids, _model
 
 # the package re-exports the function `generate`, which shadows the module of the same name
@@ -174,3 +175,21 @@ def test_generate_passes_the_auto_choice_to_the_compiled_program(monkeypatch):
         monkeypatch.setattr(gen, "device_memory", lambda limit=limit: limit)
         generate(m, _ids(1, 5), 2)
         assert seen[-1] is hoist, (limit, seen)
+
+
+@pytest.mark.parametrize("how", ["scanned", "hoisted"])
+def test_generation_through_the_kernel_equals_the_einsum_path(how, monkeypatch):
+    """Left-padded rows, a model of three layer stacks (each layer's cache row matters): the same
+    tokens, logits to float32 rounding. The kernel must run: a call counter says so."""
+    calls = []
+    real = cached_attention.decode_attention
+    monkeypatch.setattr(cached_attention, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    m = _multi_stack_model()
+    ids, mask = _left_padded_prompt()
+    out = {}
+    for backend in ("xla", "interpret"):
+        m.backend = backend
+        out[backend] = generate(m, ids, 5, attention_mask=mask, return_logits=True, decode_layers=how)
+    assert calls, "the kernel did not run"
+    np.testing.assert_array_equal(np.asarray(out["interpret"][0]), np.asarray(out["xla"][0]))
+    np.testing.assert_allclose(np.asarray(out["interpret"][1]), np.asarray(out["xla"][1]), rtol=1e-5, atol=1e-5)
