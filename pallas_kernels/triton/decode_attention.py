@@ -36,7 +36,7 @@ reference = decode_attention_reference
 
 _NEG = -1e30  # a masked score: finite, so exp(m_old - m_new) stays defined before any key is seen
 _TARGET_PROGRAMS = 264  # two programs per SM of a Hopper GPU
-MIN_BLOCKS_PER_SPLIT = 4
+MIN_BLOCKS_PER_SPLIT = 1
 
 
 def _kernel(pos_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, *out_refs, groups: int, bs: int, per: int,
@@ -89,9 +89,9 @@ def _kernel(pos_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, *out_refs, groups:
 
 
 def block_slots(n_slots: int, head_dim: int, block_s: int | None = None) -> int:
-    """Slots a block loads: block_s (default 64 for head_dim <= 64, else 32), at most S's largest
+    """Slots a block loads: block_s (default 32 for head_dim <= 64, else 16), at most S's largest
     power of two (a block never starts before slot 0)."""
-    want = block_s or (64 if head_dim <= 64 else 32)
+    want = block_s or (32 if head_dim <= 64 else 16)
     if not _compat.is_pow2(want):
         raise ValueError(f"decode_attention: block_s={want} must be a power of two")
     return min(want, 1 << (int(n_slots).bit_length() - 1))
