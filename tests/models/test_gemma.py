@@ -80,6 +80,31 @@ def test_greedy_generation_equals_transformers(dense, decode_layers):
     np.testing.assert_array_equal(got, ref)
 
 
+def test_greedy_generation_through_the_decode_attention_kernel(dense, monkeypatch):
+    """The global layers' decoding attention in the `decode_attention` kernel (interpret mode;
+    a GPU's default), Gemma 2's soft-cap inside it, the sliding layers' ring buffers on the einsum
+    path: still transformers' greedy tokens, past the window, and the einsum path's logits."""
+    from jqlora.ops import cached_attention
+
+    calls = []
+    real = cached_attention.decode_attention
+    monkeypatch.setattr(cached_attention, "decode_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    kind, tm, params, cfg = dense
+    prompt = fc.ids(1, 5, seed=3)
+    with torch.no_grad():
+        ref = tm.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 5:].numpy()
+    m = models.from_params(params, cfg, compute_dtype=jnp.float32)
+    runs = {}
+    for backend in ("xla", "interpret"):  # the einsum path, then the kernel
+        m.backend = backend
+        runs[backend] = models.generate(m, jnp.asarray(prompt), max_new_tokens=12, decode_layers="hoisted",
+                                        return_logits=True)
+    assert calls and all(kw["window"] is None for kw in calls)
+    assert all(kw["cap"] is not None for kw in calls) == (kind == "gemma2")
+    np.testing.assert_array_equal(np.asarray(runs["interpret"][0])[0, -12:], ref)
+    np.testing.assert_allclose(np.asarray(runs["interpret"][1]), np.asarray(runs["xla"][1]), rtol=1e-5, atol=1e-5)
+
+
 def test_cudnn_attention_refuses_soft_capped_models(dense):
     kind, _, params, cfg = dense
     if kind == "gemma3":  # no soft-cap: the fused path serves it (compared with einsum below)

@@ -81,6 +81,24 @@ def test_hoisted_layers_with_fused_projections_give_the_same_rollouts(m, greedy)
     np.testing.assert_allclose(r.logprobs, greedy.logprobs, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("how", ["scanned", "hoisted"])
+def test_rollouts_through_the_decode_attention_kernel(how, greedy, monkeypatch):
+    """On a GPU each decoding step's attention runs the `decode_attention` kernel
+    (`jqlora.ops.cached_attention`); here in interpret mode: a padding row and rows of three
+    prompt lengths give the same tokens and log-probabilities as the einsum path."""
+    from jqlora.ops import cached_attention
+
+    calls = []
+    real = cached_attention.decode_attention
+    monkeypatch.setattr(cached_attention, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    k = _model(2)
+    k.backend = "interpret"
+    r = generate_batch(k, PROMPTS, N, key=None, temperature=0.0, return_logprobs=True, decode_layers=how)
+    assert calls, "the kernel did not run"
+    np.testing.assert_array_equal(r.tokens, greedy.tokens)
+    np.testing.assert_allclose(r.logprobs, greedy.logprobs, rtol=0, atol=2e-5)
+
+
 def test_stop_tokens_end_each_row_and_pad_after(m, greedy):
     g = greedy.tokens
     eos, stop, pad = int(g[0, 2]), int(g[1, 4]), 127
