@@ -37,6 +37,7 @@ reference = decode_attention_reference
 _NEG = -1e30  # a masked score: finite, so exp(m_old - m_new) stays defined before any key is seen
 _TARGET_PROGRAMS = 264  # two programs per SM of a Hopper GPU
 MIN_BLOCKS_PER_SPLIT = 1
+MAX_TILE = 64 * 128  # float32 values a default (slots, head_dim) block of keys holds: the largest measured
 
 
 def _kernel(pos_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, *out_refs, groups: int, bs: int, per: int,
@@ -89,10 +90,11 @@ def _kernel(pos_ref, qseg_ref, kseg_ref, q_ref, k_ref, v_ref, *out_refs, groups:
 
 
 def block_slots(n_slots: int, head_dim: int, block_s: int | None = None) -> int:
-    """Slots a block loads: block_s (default 64: with the default splits, faster than 8, 16 and
-    32 in every cell measured, docs/kernels.md), at most S's largest power of two (a block never
-    starts before slot 0)."""
-    want = block_s or 64
+    """Slots a block loads: block_s, by default 64 and at most MAX_TILE / head_dim (with the default
+    splits 64 beat 8, 16 and 32 in every cell measured, head_dim 64 and 128, docs/kernels.md; at
+    head_dim 256 the block holds as many values as that measured (64, 128) block, 32 slots); at
+    most S's largest power of two (a block never starts before slot 0)."""
+    want = block_s or min(64, max(1, MAX_TILE // head_dim))
     if not _compat.is_pow2(want):
         raise ValueError(f"decode_attention: block_s={want} must be a power of two")
     return min(want, 1 << (int(n_slots).bit_length() - 1))

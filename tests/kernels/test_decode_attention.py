@@ -131,3 +131,14 @@ def test_which_path_runs():
         assert cached_attention.kernel_problem("auto", (1, 1, 4, 64), (2, 1, 16, 2, 64)) == "not on a GPU"
     with pytest.raises(ValueError, match="unknown backend"):
         cached_attention.kernel_problem("triton", (1, 1, 4, 64), (2, 1, 16, 2, 64))
+
+
+def test_default_blocks_keep_the_measured_tile_size():
+    """64 slots a block (measured at head_dim 64 and 128), 32 at head_dim 256 (the same number of
+    values), never more slots than the cache's largest power of two."""
+    from pallas_kernels.triton.decode_attention import block_slots
+
+    assert [block_slots(272, d) for d in (64, 128, 256)] == [64, 64, 32]
+    assert block_slots(40, 64) == 32 and block_slots(1, 64) == 1 and block_slots(272, 256, block_s=16) == 16
+    with pytest.raises(ValueError, match="power of two"):
+        block_slots(272, 64, block_s=48)
