@@ -98,7 +98,7 @@ def einsum_attention(q, k, v, q_slots, k_slots, q_seg, k_seg, *, scale: float, c
     """Scores materialized in float32 (scaled, soft-capped, then masked by `attention_mask`), a
     float32 softmax, probabilities cast to dtype (the activations') before they weight v. The
     path of prefill with a cache and of cached decoding where the `decode_attention` kernel does
-    not run (`jqlora.ops.cached_attention`), and the only one with soft-capping."""
+    not run (`jqlora.ops.cached_attention`); the only forward path with soft-capping."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, h // kvh, d)
