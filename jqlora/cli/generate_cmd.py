@@ -32,10 +32,12 @@ conversation; without it a prompt is plain text after BOS, and "messages" needs 
 one JSON line per prompt, in order, {..., "completion": text, "ids": [...], "stopped_at_eos":
 bool}, to stdout or --out FILE (written whole, or not at all).
 
-Defaults are the fastest correct path here: bf16 compute and cuDNN attention on a GPU, float32
-and einsum attention elsewhere. --timing prints one line to stderr, `timing: {json}`: seconds
-to load the model (load_s), seconds in generation (generate_s: compiling, or loading from the
-compilation cache, plus prefill and decode), new tokens and their rate."""
+Defaults are the fastest correct path here: bf16 compute and cuDNN attention on a GPU (each
+decoded token's attention in the decode_attention kernel), float32 and einsum attention
+elsewhere. --timing prints one line to stderr, `timing: {json}`: seconds to load the model
+(load_s), seconds in generation (generate_s: compiling, or loading from the compilation cache,
+plus prefill and decode), new tokens and their rate, the prefill's attention and the decoding
+steps' (decode_attention: kernel or einsum, and why)."""
 
 
 def add_arguments(p):
@@ -204,7 +206,7 @@ def run(args) -> int:
         print("timing: " + json.dumps({
             "load_s": round(t_gen - t_start, 4), "generate_s": round(t_end - t_gen, 4), "new_tokens": new_tokens,
             "tokens_per_s": round(new_tokens / max(t_end - t_gen, 1e-9), 2), "compute_dtype": dtype,
-            "attention": attention, "attention_reason": why}), file=sys.stderr)
+            "attention": attention, "attention_reason": why, **_decode_attention(model, len(rows))}), file=sys.stderr)
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0], indent=1))
         return 0
@@ -305,5 +307,17 @@ def _generate_file(args, model, tok, entries, eos, *, bos, t_start, dtype, atten
         print("timing: " + json.dumps({
             "load_s": round(t_gen - t_start, 4), "generate_s": round(t_end - t_gen, 4), "prompts": len(rows),
             "new_tokens": new_tokens, "tokens_per_s": round(new_tokens / max(t_end - t_gen, 1e-9), 2),
-            "compute_dtype": dtype, "attention": attention, "attention_reason": why}), file=sys.stderr)
+            "compute_dtype": dtype, "attention": attention, "attention_reason": why,
+            **_decode_attention(model, min(size, len(rows)))}), file=sys.stderr)
     return 0
+
+
+def _decode_attention(model, batch: int) -> dict:
+    """The decoding steps' attention path for the timing line (`jqlora.ops.cached_attention`)."""
+    from jqlora.ops.cached_attention import decode_path
+
+    cfg = model.config
+    path, why = decode_path(model.backend, batch, cfg.num_attention_heads, cfg.head_dim)
+    if any(w is not None for w in cfg.sliding_windows):
+        why += "; sliding layers with a ring buffer: einsum"
+    return {"decode_attention": path, "decode_attention_reason": why}

@@ -44,6 +44,16 @@ def kernel_problem(backend: str, q_shape: tuple, cache_shape: tuple) -> Optional
     return None
 
 
+def decode_path(backend: str, batch: int, heads: int, head_dim: int) -> tuple[str, str]:
+    """("kernel" | "einsum", why) for the decoding steps of a model whose layers keep whole caches
+    (a sliding layer's ring buffer is always the einsum path): what `jqlora generate --timing`
+    reports."""
+    problem = kernel_problem(backend, (batch, 1, heads, head_dim), (1, batch, 1, 1, head_dim))
+    if problem is None:
+        return "kernel", f"{backend}: the decode_attention kernel, one launch a layer"
+    return "einsum", f"{backend}: {problem}"
+
+
 def decode_attention(q, k_cache, v_cache, layer, index, q_seg, k_seg, *, scale: float, cap: Optional[float],
                      window: Optional[int], backend: str, out_dtype=None) -> jax.Array:
     """(B, 1, h * d): q (B, 1, h, d) over row `layer` of k_cache, v_cache (L, B, S, kvh, d), the new

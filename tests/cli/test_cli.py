@@ -229,10 +229,16 @@ def test_generate_prints_tokens(trained, nf4_ckpt, capsys):
     assert lines[0].startswith("abc=") and lines[1].startswith("ids:")
     ids = [int(t) for t in lines[1].split()[1:]]
     assert 1 <= len(ids) <= 5 and all(0 <= t < 128 for t in ids)
-    rc, out, _ = run_cli(capsys, "generate", nf4_ckpt, "--prompt-ids", "1,5,6,7", "--max-new-tokens", "4",
-                         "--temperature", "0.8", "--top-p", "0.9", "--seed", "1", "--json")
+    rc, out, err = run_cli(capsys, "generate", nf4_ckpt, "--prompt-ids", "1,5,6,7", "--max-new-tokens", "4",
+                           "--temperature", "0.8", "--top-p", "0.9", "--seed", "1", "--json", "--timing")
     assert rc == 0
     assert len(json.loads(out)["ids"]) <= 4
+    timing = json.loads(next(ln for ln in err.splitlines() if ln.startswith("timing: "))[len("timing: "):])
+    assert {"load_s", "generate_s", "attention", "decode_attention", "decode_attention_reason"} <= set(timing)
+    import jax
+
+    if jax.default_backend() != "gpu":  # the decoding steps' attention: the kernel runs on a GPU only
+        assert timing["decode_attention"] == "einsum" and "not on a GPU" in timing["decode_attention_reason"]
 
 
 # --------------------------------------------------------------------------------------------- bench

@@ -40,10 +40,12 @@ def test_plain_prompts_file_equals_the_prompt_path(ckpt, tmp_path, capsys):
     prompts = ["abc=", "hello=", "zz", "qwertyuiop="]
     f = tmp_path / "p.txt"
     f.write_text("\n".join(prompts[:2]) + "\n\n" + "\n".join(prompts[2:]) + "\n")  # a blank line is skipped
-    rc, out, err = run_cli(capsys, "generate", ckpt, "--prompts-file", f, "--batch-size", "2", *GEN)
+    rc, out, err = run_cli(capsys, "generate", ckpt, "--prompts-file", f, "--batch-size", "2", "--timing", *GEN)
     assert rc == 0, err
     got = _lines(out)
     assert [g["prompt"] for g in got] == prompts
+    timing = json.loads(next(ln for ln in err.splitlines() if ln.startswith("timing: "))[len("timing: "):])
+    assert timing["prompts"] == 4 and timing["decode_attention"] in ("kernel", "einsum")
     # the reference: all four rows through `jqlora.models.generate` (--prompt, left-padded)
     rc, out, err = run_cli(capsys, "generate", ckpt, *sum((["--prompt", p] for p in prompts), []), "--json", *GEN)
     assert rc == 0, err

@@ -131,6 +131,9 @@ def test_which_path_runs():
         assert cached_attention.kernel_problem("auto", (1, 1, 4, 64), (2, 1, 16, 2, 64)) == "not on a GPU"
     with pytest.raises(ValueError, match="unknown backend"):
         cached_attention.kernel_problem("triton", (1, 1, 4, 64), (2, 1, 16, 2, 64))
+    assert cached_attention.decode_path("interpret", 2, 8, 64)[0] == "kernel"
+    path, why = cached_attention.decode_path("pallas", 1, 32, 96)
+    assert path == "einsum" and "head_dim 96" in why
 
 
 def test_default_blocks_keep_the_measured_tile_size():
