@@ -25,11 +25,9 @@ SHAPES = {"1b": dict(layers=16, heads=32, kv_heads=8, head_dim=64),
 
 def parse_configs(text: str | None) -> list[dict]:
     """'block_s=16;block_s=32,splits=8' -> [{'block_s': 16}, {'block_s': 32, 'splits': 8}]."""
-    out = []
-    for part in (text or "").split(";"):
-        if part.strip():
-            out.append({k.strip(): int(v) for k, v in (kv.split("=") for kv in part.split(","))})
-    return out
+    from benchmarks.grouped_bench import parse_configs as parse
+
+    return parse(text, "--configs")
 
 
 def bench(shapes, slots, batches, configs, log=print) -> list[dict]:
@@ -89,13 +87,13 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    from benchmarks.rollout_bench import short_commit
+    from benchmarks.product_bench import measured_commit
     from benchmarks.run import device_name, versions
 
     ints = lambda t: [int(x) for x in t.split(",")]  # noqa: E731
     rows = bench(a.shapes.split(","), ints(a.slots), ints(a.batch), parse_configs(a.configs))
     res = {"rows": rows, "device": device_name(), "date": datetime.date.today().isoformat(),
-           "commit": os.environ.get("JQLORA_COMMIT") or short_commit(), "versions": versions(), "argv": sys.argv[1:]}
+           "commit": measured_commit() or "unknown", "versions": versions(), "argv": sys.argv[1:]}
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         path = os.path.join(a.out, f"{res['device'].lower().replace(' ', '-')}-{res['date']}_decode_attention.json")

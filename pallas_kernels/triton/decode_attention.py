@@ -3,8 +3,9 @@ in place from the whole KV cache (L, B, S, kvh, d), for cached decoding.
 
 Why: the einsum path of a decoding step copies the layer's whole (B, S, kvh, d) slab of keys and
 of values out of the cache (a dynamic slice the vendor GEMMs need contiguous), runs two batched
-GEMMs over all S slots, and builds the mask and the softmax in three or four more XLA kernels:
-about eight launches a layer, each a microsecond or more at batch 1, for a few KB of work. This
+GEMMs over all S slots, and builds the mask and the softmax in more XLA kernels, each a
+microsecond or more at batch 1 for a few KB of work (a 1B decode: 342.6 kernels a token there,
+277.9 with this kernel, docs/kernels.md). This
 kernel reads the row `layer` of the cache with the layer index as data, walks only the slots up
 to the new token's (`index`), and keeps a float32 online softmax in registers: one launch a
 layer, two when the slots are split.

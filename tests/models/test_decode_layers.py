@@ -13,7 +13,7 @@ from flax import nnx
 
 from jqlora import models, quant
 from jqlora.models import generate, remat
-from jqlora.ops import cached_attention
+from decode_attention_calls import record_kernel_calls
 from test_scan import CFG, _ids, _model
 
 # the package re-exports the function `generate`, which shadows the module of the same name
@@ -181,9 +181,7 @@ def test_generate_passes_the_auto_choice_to_the_compiled_program(monkeypatch):
 def test_generation_through_the_kernel_equals_the_einsum_path(how, monkeypatch):
     """Left-padded rows, a model of three layer stacks (each layer's cache row matters): the same
     tokens, logits to float32 rounding. The kernel must run: a call counter says so."""
-    calls = []
-    real = cached_attention.decode_attention
-    monkeypatch.setattr(cached_attention, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = record_kernel_calls(monkeypatch)
     m = _multi_stack_model()
     ids, mask = _left_padded_prompt()
     out = {}

@@ -84,11 +84,9 @@ def test_greedy_generation_through_the_decode_attention_kernel(dense, monkeypatc
     """The global layers' decoding attention in the `decode_attention` kernel (interpret mode;
     a GPU's default), Gemma 2's soft-cap inside it, the sliding layers' ring buffers on the einsum
     path: still transformers' greedy tokens, past the window, and the einsum path's logits."""
-    from jqlora.ops import cached_attention
+    from decode_attention_calls import record_kernel_calls
 
-    calls = []
-    real = cached_attention.decode_attention
-    monkeypatch.setattr(cached_attention, "decode_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    calls = record_kernel_calls(monkeypatch)
     kind, tm, params, cfg = dense
     prompt = fc.ids(1, 5, seed=3)
     with torch.no_grad():

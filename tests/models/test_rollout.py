@@ -86,11 +86,9 @@ def test_rollouts_through_the_decode_attention_kernel(how, greedy, monkeypatch):
     """On a GPU each decoding step's attention runs the `decode_attention` kernel
     (`jqlora.ops.cached_attention`); here in interpret mode: a padding row and rows of three
     prompt lengths give the same tokens and log-probabilities as the einsum path."""
-    from jqlora.ops import cached_attention
+    from decode_attention_calls import record_kernel_calls
 
-    calls = []
-    real = cached_attention.decode_attention
-    monkeypatch.setattr(cached_attention, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = record_kernel_calls(monkeypatch)
     k = _model(2)
     k.backend = "interpret"
     r = generate_batch(k, PROMPTS, N, key=None, temperature=0.0, return_logprobs=True, decode_layers=how)
