@@ -8,7 +8,9 @@ model of `benchmarks.train_bench`'s shape without LoRA (what `jqlora generate` r
 adapter), bf16, remat off. Per variant: generation of 1 and of `--tokens` new tokens, each timed on
 its second call; decode tokens/s = (tokens - 1) / (time(tokens) - time(1)); then one traced call
 of `--tokens` tokens: GPU kernel time per token by category (`train_profile.categorize`) against
-the wall time per token (the gap is time the GPU waits for the host: launches, loop predicates).
+the wall time per token (the gap is time the GPU waits for the host: launches, loop predicates),
+and one token's kernels in launch order (`one_token_sequence`: HLO instruction, us). With
+`XLA_FLAGS=--xla_dump_to=DIR` the optimized HLO names what each fusion computes.
 
 Variants: default (the library's settings: `decode_layers="auto"`); hoisted / scanned (the layers
 sliced once before the decode loop, or by a scan on every token: `generate(decode_layers=...)`);
@@ -82,6 +84,11 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None, prompt_le
             trace = json.load(f)
     events = kernel_events(trace)
     res = summarize(events, hlo_lines(""), tokens, lora_rank=16)
+    # one token's kernels in launch order, from the middle of the trace: which fusions a layer runs
+    ordered = sorted(events, key=lambda e: e["ts"])
+    mid, per_token = len(ordered) // 2, -(-len(ordered) // tokens)
+    sequence = [[e["name"][:60], round(e["dur"], 2)]
+                for e in ordered[mid:mid + per_token]]
     return {"shape": shape, "layers": n_layers, "variant": variant, "prompt_len": prompt_len, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "tokens": tokens, "build_s": round(build_s, 1), "compile_s": {str(k): round(v, 2) for k, v in compile_s.items()},
             "one_token_s": round(times[1], 4), f"tokens_{tokens}_s": round(times[tokens], 4),
@@ -89,6 +96,7 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None, prompt_le
             "wall_us_per_token_traced": round(traced_s / tokens * 1e6, 1),
             "gpu_us_per_token": round(res["total_us"], 1), "kernels_per_token": round(len(events) / tokens, 1),
             "by_category_us": res["by_category_us"], "top_kernels": res["top_kernels"][:25],
+            "one_token_sequence": sequence,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
