@@ -59,6 +59,11 @@ FP8_OPS = ("dequantize_4bit_fp8", "dequantize_4bit_fp8_t")
 #   "decode_attention": fn(q (B,h,d), k_cache, v_cache (L,B,S,kvh,d), layer, index, q_seg (B,),
 #                          k_seg (B,S), *, scale, cap, window, out_dtype, interpret) -> (B,h,d)
 ATTENTION_OPS = ("decode_attention",)
+# The residual add and RMSNorm of decoding rows (jqlora.ops.decode_norm); listed by
+# `norm_variants()`; `supports(rows, features)`:
+#   "rms_norm": fn(x (M,N), delta None | (M,N) | (S,M,N) f32 partials, weight (N,), *, eps, kind,
+#               interpret) -> (x + delta, RMSNorm(x + delta)), both in x's dtype
+NORM_OPS = ("rms_norm",)
 # What a variant computes, by the weight it effectively multiplies (docs/numerics.md); products
 # are accumulated in fp32 and the output rounded once to out_dtype in every class:
 NUMERICS = (
@@ -70,6 +75,7 @@ NUMERICS = (
     "llm_int8",             # bitsandbytes LLM.int8(): int8 x int8 GEMM + fp16 outlier columns
     "fp8_row_scaled",       # e4m3(code * absmax * inv_scale[row]): the FP8 base products' weight
     "online_softmax",       # attention: float32 scores and softmax, unrounded probabilities weight v
+    "rms_norm",             # norm: float32 mean square of the rounded residual sum, transformers' roundings
 )
 # default: a variant `auto` runs (jqlora.ops.dispatch); alternative: useful numerics or speed,
 # selected by `variant=`; experimental: kept for research, slower in every measured cell.
@@ -97,9 +103,9 @@ class Variant:
     default_config: Callable[[int, int, int, int], object] | None = None
 
     def __post_init__(self):
-        if self.op not in OPS + GROUPED_OPS + FP8_OPS + ATTENTION_OPS:
+        if self.op not in OPS + GROUPED_OPS + FP8_OPS + ATTENTION_OPS + NORM_OPS:
             raise ValueError(f"variant {self.name!r}: unknown op {self.op!r}; "
-                             f"expected one of {OPS + GROUPED_OPS + FP8_OPS + ATTENTION_OPS}")
+                             f"expected one of {OPS + GROUPED_OPS + FP8_OPS + ATTENTION_OPS + NORM_OPS}")
         if self.platform not in PLATFORMS:
             raise ValueError(f"variant {self.name!r}: unknown platform {self.platform!r}; "
                              f"expected one of {PLATFORMS}")
@@ -149,6 +155,9 @@ _FP8_MODULES = ("pallas_kernels.triton.dequant_fp8",)
 # The attention kernels of cached decoding, ops ATTENTION_OPS; tests/kernels/test_decode_attention.py
 # runs each against its reference.
 _ATTENTION_MODULES = ("pallas_kernels.triton.decode_attention",)
+# The decoding rows' norm kernels, ops NORM_OPS; tests/kernels/test_rms_norm.py runs each against
+# its reference.
+_NORM_MODULES = ("pallas_kernels.triton.rms_norm",)
 
 
 def _by_module(modules=_MODULES) -> tuple[tuple[str, tuple[Variant, ...]], ...]:
@@ -158,50 +167,50 @@ def _by_module(modules=_MODULES) -> tuple[tuple[str, tuple[Variant, ...]], ...]:
     return tuple((mod, tuple(importlib.import_module(mod).VARIANTS)) for mod in modules)
 
 
-def grouped_variants() -> tuple[Variant, ...]:
-    """Every registered grouped (mixture-of-experts) variant, in a stable order."""
-    out = tuple(v for _, variants in _by_module(_GROUPED_MODULES) for v in variants)
-    names = [v.name for v in out] + [v.name for v in all_variants()]
+def _unique(out: tuple[Variant, ...], *others: tuple[Variant, ...]) -> tuple[Variant, ...]:
+    """out, after checking that no name repeats within it or across the other families."""
+    names = [v.name for v in out] + [v.name for family in others for v in family]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ValueError(f"duplicate kernel variant names: {sorted(dup)}")
     return out
+
+
+def _family(modules) -> tuple[Variant, ...]:
+    return tuple(v for _, variants in _by_module(modules) for v in variants)
+
+
+def grouped_variants() -> tuple[Variant, ...]:
+    """Every registered grouped (mixture-of-experts) variant, in a stable order."""
+    return _unique(_family(_GROUPED_MODULES), all_variants())
 
 
 def fp8_variants() -> tuple[Variant, ...]:
     """Every registered FP8 dequant variant (ops FP8_OPS), in a stable order."""
-    out = tuple(v for _, variants in _by_module(_FP8_MODULES) for v in variants)
-    names = [v.name for v in out] + [v.name for v in all_variants() + grouped_variants()]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise ValueError(f"duplicate kernel variant names: {sorted(dup)}")
-    return out
+    return _unique(_family(_FP8_MODULES), all_variants(), grouped_variants())
 
 
 def attention_variants() -> tuple[Variant, ...]:
     """Every registered attention variant (ops ATTENTION_OPS), in a stable order."""
-    out = tuple(v for _, variants in _by_module(_ATTENTION_MODULES) for v in variants)
-    names = [v.name for v in out] + [v.name for v in all_variants() + grouped_variants() + fp8_variants()]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise ValueError(f"duplicate kernel variant names: {sorted(dup)}")
-    return out
+    return _unique(_family(_ATTENTION_MODULES), all_variants(), grouped_variants(), fp8_variants())
+
+
+def norm_variants() -> tuple[Variant, ...]:
+    """Every registered norm variant (ops NORM_OPS), in a stable order."""
+    return _unique(_family(_NORM_MODULES), all_variants(), grouped_variants(), fp8_variants(),
+                   attention_variants())
 
 
 def all_variants() -> tuple[Variant, ...]:
     """Every registered variant, in a stable order (imports the kernel modules on first use)."""
-    out = [v for _, variants in _by_module() for v in variants]
-    names = [v.name for v in out]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise ValueError(f"duplicate kernel variant names: {sorted(dup)}")
-    return tuple(out)
+    return _unique(_family(_MODULES))
 
 
 def module_of(name: str) -> str:
     """The module that declares variant `name` (e.g. "pallas_kernels.triton.matmul_4bit");
     KeyError naming the known variants otherwise."""
-    for mod, variants in _by_module(_MODULES + _GROUPED_MODULES + _FP8_MODULES + _ATTENTION_MODULES):
+    for mod, variants in _by_module(_MODULES + _GROUPED_MODULES + _FP8_MODULES + _ATTENTION_MODULES
+                                    + _NORM_MODULES):
         if any(v.name == name for v in variants):
             return mod
     get(name)  # raises the KeyError
@@ -236,9 +245,9 @@ def defaults() -> tuple[Variant, ...]:
 
 
 def get(name: str) -> Variant:
-    """The variant called `name` (grouped, FP8 and attention variants included); KeyError naming
-    the known variants otherwise."""
-    known = all_variants() + grouped_variants() + fp8_variants() + attention_variants()
+    """The variant called `name` (grouped, FP8, attention and norm variants included); KeyError
+    naming the known variants otherwise."""
+    known = all_variants() + grouped_variants() + fp8_variants() + attention_variants() + norm_variants()
     for v in known:
         if v.name == name:
             return v

@@ -17,9 +17,9 @@ sliced once before the decode loop, or by a scan on every token: `generate(decod
 apart (hoisted, each projection its own product: `generate(fuse_projections=False)`);
 lora / lora_apart (default / apart with a LoRA adapter attached: r = 16 on the 7 projections, its B
 random, what `jqlora generate --adapter` and the RL rollouts run);
-einsum_attention / lora_einsum_attention (default / lora with the attention of every decoded token
-on the einsum path instead of the `decode_attention` kernel: the model's backend "xla", which only
-the cached attention reads);
+einsum_attention / lora_einsum_attention (default / lora with the decoding steps' attention and
+norms on XLA instead of the `decode_attention` and `rms_norm` kernels: the model's backend "xla",
+which only those read); xla_norm (the defaults with the norms alone on XLA);
 cmdbuf (the defaults with XLA command buffers, i.e. CUDA graphs, for while loops and conditionals
 too: `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
 Writes $OUT/decode_profile_<shape>.json (one record per variant) and prints a table.
@@ -58,6 +58,10 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None, prompt_le
         randomize_lora_b(model)
     if variant.endswith("einsum_attention"):
         model.backend = "xla"
+    if variant.endswith("xla_norm"):  # the decoding norms on XLA, everything else as the defaults
+        from jqlora.ops import decode_norm
+
+        decode_norm.norm_problem = lambda backend, shape: "decode_profile: xla_norm"
     layers = {"hoisted": "hoisted", "scanned": "scanned", "apart": "hoisted"}.get(variant.removeprefix("lora_"), "auto")
     fuse = not variant.endswith("apart")
     gen = lambda n: models.generate(model, ids, n, decode_layers=layers, fuse_projections=fuse)  # noqa: E731

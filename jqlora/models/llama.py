@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jqlora import ops as _ops
 from jqlora.errors import SettingError
-from jqlora.ops import cached_attention, sharding
+from jqlora.ops import cached_attention, decode_norm, sharding
 from jqlora.lora.fuse import fuse_linears, fusion_problem
 from jqlora.lora.linear import FrozenParam, QLoRALinear, host_or_device
 from jqlora.lora.stacked import LayerStack, StackedLayers
@@ -66,6 +66,16 @@ class RMSNorm(nnx.Module):
         if self.kind == "gemma":
             return (h * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
+
+    def add_and_norm(self, x: jax.Array, delta: Optional[jax.Array], decoding: Optional[str] = None):
+        """(r, norm(r)) with r = x + delta (x when delta is None). decoding: the kernel backend of a
+        decoding step (one new token a row), which runs both as one `rms_norm` kernel where
+        `jqlora.ops.decode_norm` takes the step; None: XLA."""
+        if decoding is not None and decode_norm.norm_problem(decoding, x.shape) is None:
+            return decode_norm.add_rms_norm(x, delta, self.weight[...], eps=self.eps, kind=self.kind,
+                                            backend=decoding)
+        r = x if delta is None else x + delta
+        return r, self(r)
 
 
 class Embedding(nnx.Module):
@@ -252,15 +262,19 @@ class DecoderLayer(nnx.Module):
         if isinstance(cos, tuple):  # (global, local) RoPE tables: Gemma 3's sliding layers take the local one
             j = 0 if self.window is None else 1
             cos, sin = cos[j], sin[j]
-        a, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, q_slots, k_slots, q_seg, k_seg,
-                                   runs, kv_cache, index, impl, plain_causal)
+        # a decoding step's norms (and the residual add before one) as one kernel each: decode_norm
+        decoding = impl if kv_cache is not None and x.shape[1] == 1 else None
+        _, h = self.input_layernorm.add_and_norm(x, None, decoding)
+        a, new_kv = self.self_attn(h, cos, sin, q_slots, k_slots, q_seg, k_seg, runs, kv_cache, index, impl,
+                                   plain_causal)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(a)
-            m, logits = self._mlp(self.pre_feedforward_layernorm(x), mlp_chunk, router_logits)
-            x = x + self.post_feedforward_layernorm(m)
+            _, a = self.post_attention_layernorm.add_and_norm(a, None, decoding)
+            x, h = self.pre_feedforward_layernorm.add_and_norm(x, a, decoding)
+            m, logits = self._mlp(h, mlp_chunk, router_logits)
+            x = x + self.post_feedforward_layernorm.add_and_norm(m, None, decoding)[1]
         else:
-            x = x + a
-            m, logits = self._mlp(self.post_attention_layernorm(x), mlp_chunk, router_logits)
+            x, h = self.post_attention_layernorm.add_and_norm(x, a, decoding)
+            m, logits = self._mlp(h, mlp_chunk, router_logits)
             x = x + m
         return (x, new_kv, logits) if router_logits else (x, new_kv)
 
@@ -527,7 +541,7 @@ class CausalLM(nnx.Module):
                 collected.extend(ys[j] for j in range(stack.size))
             if router is not None:
                 routed.extend(router[j] for j in range(stack.size))
-        x = self.model.norm(x)
+        _, x = self.model.norm.add_and_norm(x, None, self.backend if cache is not None and t == 1 else None)
         if cache is None:
             if return_hidden:
                 out = x
