@@ -101,6 +101,9 @@ class Variant:
     # (m, n, k, blocksize) -> the config the kernel uses by default: a `config_type` instance,
     # or with config_type None a dict of keyword arguments (module docstring); None: no tuning
     default_config: Callable[[int, int, int, int], object] | None = None
+    # fn(..., keep_splits=True) returns its K splits' float32 partials (S, M, N) unsummed (S = 1
+    # where it stores y itself), for a consumer that sums them in its own kernel (decode_norm)
+    keeps_splits: bool = False
 
     def __post_init__(self):
         if self.op not in OPS + GROUPED_OPS + FP8_OPS + ATTENTION_OPS + NORM_OPS:

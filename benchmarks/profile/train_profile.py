@@ -99,6 +99,8 @@ def categorize(name: str, hlo_op: str | None, lines: dict, lora_rank: int) -> tu
         return ("gemm lora" if " lora " in label else "gemm frozen/head"), label
     if "matmul_" in low or "_kernel" in low:
         return "pallas", name
+    if low.startswith("rms_norm"):  # pallas_kernels.triton.rms_norm, the decoding rows' norms
+        return "norm", name
     if "memcpy" in low or "memset" in low:
         return "memory", name
     if "fusion" in low or "reduce" in low or "transpose" in low or "convert" in low or low.startswith(("loop_", "input_")):

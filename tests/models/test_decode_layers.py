@@ -13,7 +13,7 @@ from flax import nnx
 
 from jqlora import models, quant
 from jqlora.models import generate, remat
-from decode_attention_calls import record_kernel_calls
+from decode_kernel_calls import record_kernel_calls, record_norm_calls
 from test_scan import CFG, _ids, _model
 
 # the package re-exports the function `generate`, which shadows the module of the same name
@@ -180,8 +180,10 @@ def test_generate_passes_the_auto_choice_to_the_compiled_program(monkeypatch):
 @pytest.mark.parametrize("how", ["scanned", "hoisted"])
 def test_generation_through_the_kernel_equals_the_einsum_path(how, monkeypatch):
     """Left-padded rows, a model of three layer stacks (each layer's cache row matters): the same
-    tokens, logits to float32 rounding. The kernel must run: a call counter says so."""
+    tokens, logits to float32 rounding. The attention and norm kernels must run (call counters say
+    so), the post-attention norm with o_proj's terms (S, B, 1, hidden)."""
     calls = record_kernel_calls(monkeypatch)
+    norms = record_norm_calls(monkeypatch)
     m = _multi_stack_model()
     ids, mask = _left_padded_prompt()
     out = {}
@@ -189,5 +191,9 @@ def test_generation_through_the_kernel_equals_the_einsum_path(how, monkeypatch):
         m.backend = backend
         out[backend] = generate(m, ids, 5, attention_mask=mask, return_logits=True, decode_layers=how)
     assert calls, "the kernel did not run"
+    assert {n["backend"] for n in norms} == {"interpret"}
+    assert any(n["delta_shape"] is None for n in norms), "the norms without a residual add did not run"
+    assert any(n["delta_shape"] is not None and len(n["delta_shape"]) == 4 for n in norms), \
+        "o_proj's terms did not reach the norm kernel"
     np.testing.assert_array_equal(np.asarray(out["interpret"][0]), np.asarray(out["xla"][0]))
     np.testing.assert_allclose(np.asarray(out["interpret"][1]), np.asarray(out["xla"][1]), rtol=1e-5, atol=1e-5)

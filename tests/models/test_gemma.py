@@ -84,7 +84,7 @@ def test_greedy_generation_through_the_decode_attention_kernel(dense, monkeypatc
     """The global layers' decoding attention in the `decode_attention` kernel (interpret mode;
     a GPU's default), Gemma 2's soft-cap inside it, the sliding layers' ring buffers on the einsum
     path: still transformers' greedy tokens, past the window, and the einsum path's logits."""
-    from decode_attention_calls import record_kernel_calls
+    from decode_kernel_calls import record_kernel_calls
 
     calls = record_kernel_calls(monkeypatch)
     kind, tm, params, cfg = dense

@@ -86,7 +86,7 @@ def test_rollouts_through_the_decode_attention_kernel(how, greedy, monkeypatch):
     """On a GPU each decoding step's attention runs the `decode_attention` kernel
     (`jqlora.ops.cached_attention`); here in interpret mode: a padding row and rows of three
     prompt lengths give the same tokens and log-probabilities as the einsum path."""
-    from decode_attention_calls import record_kernel_calls
+    from decode_kernel_calls import record_kernel_calls
 
     calls = record_kernel_calls(monkeypatch)
     k = _model(2)
