@@ -58,7 +58,10 @@ FP8_OPS = ("dequantize_4bit_fp8", "dequantize_4bit_fp8_t")
 # `all_variants()`; `supports(batch, heads, slots, head_dim)`:
 #   "decode_attention": fn(q (B,h,d), k_cache, v_cache (L,B,S,kvh,d), layer, index, q_seg (B,),
 #                          k_seg (B,S), *, scale, cap, window, out_dtype, interpret) -> (B,h,d)
-ATTENTION_OPS = ("decode_attention",)
+#   "decode_attention_step": fn(qkv (B,F) or terms (S,B,F), cos, sin (B,d), k_cache, v_cache, layer,
+#                          index, q_seg, k_seg, *, heads, scale, cap, window, out_dtype, interpret)
+#                          -> ((B,h,d), k_cache, v_cache): RoPE and the cache writes in the kernel
+ATTENTION_OPS = ("decode_attention", "decode_attention_step")
 # The residual add and RMSNorm of decoding rows (jqlora.ops.decode_norm); listed by
 # `norm_variants()`; `supports(rows, features)`:
 #   "rms_norm": fn(x (M,N), delta None | (M,N) | (S,M,N) f32 partials, weight (N,), *, eps, kind,

@@ -130,6 +130,16 @@ class Attention(nnx.Module):
         cfg = self.config
         b, t, _ = x.shape
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        ring = kv_cache is not None and len(kv_cache) > 3 and kv_cache[3]
+        if kv_cache is not None and not ring and cached_attention.step_problem(
+                impl, (b, t, h, d), kv_cache[0].shape, rotary_dim=cos.shape[-1], qk_norm=cfg.qk_norm,
+                one_projection=hasattr(self, "qkv_proj")) is None:
+            # one kernel: q|k|v's terms summed, RoPE, k and v written into the cache, attention
+            ck, cv, layer = kv_cache[:3]
+            out, ck, cv = cached_attention.decode_attention_step(
+                self.qkv_proj.partial_products(x), cos, sin, ck, cv, layer, index, q_seg, k_seg, heads=h,
+                scale=cfg.attn_scale, cap=cfg.attn_softcap, window=self.window, backend=impl)
+            return out_proj(out), (ck, cv)
         if hasattr(self, "qkv_proj"):  # Phi-3's checkpoint, or q, k and v fused for decoding
             q, k, v = jnp.split(self.qkv_proj(x), [h * d, (h + kvh) * d], axis=-1)
         else:
@@ -140,7 +150,7 @@ class Attention(nnx.Module):
         c, s = cos[:, :, None, :], sin[:, :, None, :]
         q, k = apply_rope(q, c, s), apply_rope(k, c, s)
         new_kv = None
-        if kv_cache is not None and len(kv_cache) > 3 and kv_cache[3]:  # a sliding layer's ring buffer
+        if ring:  # a sliding layer's ring buffer
             k, v, k_slots, k_seg, new_kv = ring_attend(k, v, *kv_cache[:3], index, k_seg)
             k, v = k.astype(x.dtype), v.astype(x.dtype)
         elif kv_cache is not None:

@@ -71,3 +71,40 @@ def decode_attention_reference(q, k_cache, v_cache, layer, index, q_seg, k_seg, 
     p = p / jnp.where(total > 0, total, 1.0)  # a row that sees no key gives zeros
     out = jnp.einsum("bkgs,bskd->bkgd", p, v, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(b, h, d).astype(out_dtype)
+
+
+def new_token_projections(qkv, cos, sin, *, heads: int, kv_heads: int, dtype):
+    """The new token's q (B, h, d), k and v (B, kvh, d) from its q|k|v projection: qkv (B, F), or
+    a product's terms (S, B, F) summed in float32, rounded once to dtype (the product's rounding);
+    RoPE (rotate_half convention, the whole head) on q and k from cos, sin (B, d): float32 math
+    on the rounded operands, rounded once."""
+    terms = qkv if qkv.ndim == 3 else qkv[None]
+    y = jnp.sum(terms.astype(jnp.float32), axis=0).astype(dtype).astype(jnp.float32)
+    b, d = cos.shape
+    q = y[:, :heads * d].reshape(b, heads, d)
+    k = y[:, heads * d:(heads + kv_heads) * d].reshape(b, kv_heads, d)
+    v = y[:, (heads + kv_heads) * d:(heads + 2 * kv_heads) * d].reshape(b, kv_heads, d)
+    c, s = cos.astype(jnp.float32)[:, None, :], sin.astype(jnp.float32)[:, None, :]
+
+    def rope(x):
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        return (x * c + jnp.concatenate([-x2, x1], axis=-1) * s).astype(dtype)
+
+    return rope(q), rope(k), v.astype(dtype)
+
+
+def decode_attention_step_reference(qkv, cos, sin, k_cache, v_cache, layer, index, q_seg, k_seg, *, heads: int,
+                                    scale: float, cap: float | None = None, window: int | None = None,
+                                    out_dtype=None):
+    """One decoding step's attention from the new token's q|k|v projection (`new_token_projections`):
+    its key and value written at slot `index` of row `layer`, then `decode_attention_reference`.
+    -> (y (B, h, d), k_cache, v_cache)."""
+    kvh = k_cache.shape[3]
+    q, k, v = new_token_projections(qkv, cos, sin, heads=heads, kv_heads=kvh, dtype=k_cache.dtype)
+    zero = jnp.zeros((), jnp.int32)
+    at = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(index, jnp.int32), zero, zero)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k[None, :, None], at)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v[None, :, None], at)
+    y = decode_attention_reference(q, k_cache, v_cache, layer, index, q_seg, k_seg, scale=scale, cap=cap,
+                                   window=window, out_dtype=out_dtype or k_cache.dtype)
+    return y, k_cache, v_cache

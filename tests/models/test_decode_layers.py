@@ -190,7 +190,8 @@ def test_generation_through_the_kernel_equals_the_einsum_path(how, monkeypatch):
     for backend in ("xla", "interpret"):
         m.backend = backend
         out[backend] = generate(m, ids, 5, attention_mask=mask, return_logits=True, decode_layers=how)
-    assert calls, "the kernel did not run"
+    # hoisted layers project q|k|v as one product: the step kernel; scanned, apart: decode_attention
+    assert {c["kernel"] for c in calls} == {"decode_attention_step" if how == "hoisted" else "decode_attention"}
     assert {n["backend"] for n in norms} == {"interpret"}
     assert any(n["delta_shape"] is None for n in norms), "the norms without a residual add did not run"
     assert any(n["delta_shape"] is not None and len(n["delta_shape"]) == 4 for n in norms), \
