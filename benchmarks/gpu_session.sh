@@ -27,8 +27,8 @@
 #                                            # data=2 (one 2,048-token row a GPU; ~8 min)
 #   bash benchmarks/gpu_session.sh decode    # decoding compiled (the attention and norm kernels through every
 #                                            # family's generation tests), then decode 1B/8B: the defaults vs
-#                                            # decode_attention with XLA's RoPE, cache writes and norms; with an
-#                                            # adapter; and 8B after a 2,048-token prompt (~9 min)
+#                                            # XLA's norms and vs the einsum path; with an adapter; and 8B after
+#                                            # a 2,048-token prompt (~9 min)
 #   bash benchmarks/gpu_session.sh surogate  # Surogate's published configuration on a Qwen3-8B shape:
 #                                            # 2 x 2,048 tokens packed, LoRA r=16 alpha 32 on 7 projections;
 #                                            # NF4 and bf16 weights (~3 min)
@@ -45,7 +45,7 @@ case "${1:-tests}" in
       --tb=short -rf tests/ops/test_ops.py tests/kernels/test_variants.py tests/ops/test_dispatch.py tests/kernels/test_kernels_4bit.py \
       tests/kernels/test_kernels_4bit_decoded_dot.py tests/kernels/test_kernels_4bit_mgpu.py tests/kernels/test_kernels_4bit_mgpu_gemv.py \
       tests/kernels/test_kernels_4bit_mgpu_mma.py tests/kernels/test_kernels_int8.py tests/kernels/test_decode_attention.py \
-      tests/kernels/test_rms_norm.py tests/ops/test_partials.py tests/models/test_models.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
+      tests/kernels/test_rms_norm.py tests/models/test_models.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
   bench)
     # variants at M = 1, 16, 2048 only and a matmul time budget: the whole run fits one 10-minute call
     timeout 570 python3 -m benchmarks.run --iterations 10 --variant-ms 1,16,2048 --budget-s 270 \
@@ -146,13 +146,13 @@ case "${1:-tests}" in
     timeout 240 python3 -m benchmarks.grouped_bench --out "$OUT" --budget-s 200 2>&1 | tee "$OUT/grouped.log" | tail -24 ;;
   decode)
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rf \
-      tests/kernels/test_decode_attention.py tests/kernels/test_rms_norm.py tests/ops/test_partials.py \
-      tests/models/test_decode_layers.py tests/models/test_rollout.py tests/models/test_gemma.py \
-      tests/models/test_moe.py -k "generat or decode or rollout or greedy or rms or partial or term" 2>&1 \
+      tests/kernels/test_decode_attention.py tests/kernels/test_rms_norm.py tests/models/test_decode_layers.py \
+      tests/models/test_rollout.py tests/models/test_gemma.py tests/models/test_moe.py \
+      -k "generat or decode or rollout or greedy or rms" 2>&1 \
       | tee "$OUT/gpu_decode_tests.log" | tail -8
     dp="env OUT=$OUT python3 -m benchmarks.profile.decode_profile --tokens 256 --timeout-s 95"
-    (timeout 200 $dp --shape 1b --variants default,no_step+xla_norm,lora,lora_einsum_attention
-     timeout 150 $dp --shape 8b --variants default,no_step+xla_norm
+    (timeout 200 $dp --shape 1b --variants default,xla_norm,einsum_attention,lora
+     timeout 150 $dp --shape 8b --variants default,xla_norm
      timeout 150 $dp --shape 8b --prompt 2048 --variants default,einsum_attention
      ) > "$OUT/decode.log" 2>&1
     grep -v "^    " "$OUT/decode.log" | cut -c1-240 ;;

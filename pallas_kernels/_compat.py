@@ -75,12 +75,11 @@ def compiler_params(num_warps: int | None = None, num_stages: int | None = None)
 
 
 def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, interpret: bool,
-                num_warps: int | None = None, num_stages: int | None = None, name: str | None = None,
-                input_output_aliases: dict | None = None):
+                num_warps: int | None = None, num_stages: int | None = None, name: str | None = None):
     """`pl.pallas_call` with the kwargs every supported version accepts (interpret=None: auto)."""
     interpret = resolve_interpret(interpret)
     kwargs = dict(out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                  interpret=interpret, name=name, input_output_aliases=input_output_aliases or {})
+                  interpret=interpret, name=name)
     if not interpret:
         kwargs["compiler_params"] = compiler_params(num_warps, num_stages)
     return pl.pallas_call(kernel, **kwargs)

@@ -58,10 +58,7 @@ FP8_OPS = ("dequantize_4bit_fp8", "dequantize_4bit_fp8_t")
 # `all_variants()`; `supports(batch, heads, slots, head_dim)`:
 #   "decode_attention": fn(q (B,h,d), k_cache, v_cache (L,B,S,kvh,d), layer, index, q_seg (B,),
 #                          k_seg (B,S), *, scale, cap, window, out_dtype, interpret) -> (B,h,d)
-#   "decode_attention_step": fn(qkv (B,F) or terms (S,B,F), cos, sin (B,d), k_cache, v_cache, layer,
-#                          index, q_seg, k_seg, *, heads, scale, cap, window, out_dtype, interpret)
-#                          -> ((B,h,d), k_cache, v_cache): RoPE and the cache writes in the kernel
-ATTENTION_OPS = ("decode_attention", "decode_attention_step")
+ATTENTION_OPS = ("decode_attention",)
 # The residual add and RMSNorm of decoding rows (jqlora.ops.decode_norm); listed by
 # `norm_variants()`; `supports(rows, features)`:
 #   "rms_norm": fn(x (M,N), delta None | (M,N) | (S,M,N) f32 partials, weight (N,), *, eps, kind,
@@ -104,9 +101,6 @@ class Variant:
     # (m, n, k, blocksize) -> the config the kernel uses by default: a `config_type` instance,
     # or with config_type None a dict of keyword arguments (module docstring); None: no tuning
     default_config: Callable[[int, int, int, int], object] | None = None
-    # fn(..., keep_splits=True) returns its K splits' float32 partials (S, M, N) unsummed (S = 1
-    # where it stores y itself), for a consumer that sums them in its own kernel (decode_norm)
-    keeps_splits: bool = False
 
     def __post_init__(self):
         if self.op not in OPS + GROUPED_OPS + FP8_OPS + ATTENTION_OPS + NORM_OPS:

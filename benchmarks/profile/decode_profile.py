@@ -19,8 +19,7 @@ lora / lora_apart (default / apart with a LoRA adapter attached: r = 16 on the 7
 random, what `jqlora generate --adapter` and the RL rollouts run);
 einsum_attention / lora_einsum_attention (default / lora with the decoding steps' attention and
 norms on XLA instead of the `decode_attention` and `rms_norm` kernels: the model's backend "xla",
-which only those read); xla_norm, no_step, and both joined by "+" (the defaults with the norms on
-XLA; with `decode_attention` after XLA's RoPE and cache writes instead of `decode_attention_step`);
+which only those read); xla_norm (the defaults with the norms alone on XLA);
 cmdbuf (the defaults with XLA command buffers, i.e. CUDA graphs, for while loops and conditionals
 too: `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
 Writes $OUT/decode_profile_<shape>.json (one record per variant) and prints a table.
@@ -59,15 +58,10 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None, prompt_le
         randomize_lora_b(model)
     if variant.endswith("einsum_attention"):
         model.backend = "xla"
-    parts = set(variant.split("+"))
-    if "xla_norm" in parts:  # the decoding norms on XLA
+    if variant.endswith("xla_norm"):  # the decoding norms on XLA, everything else as the defaults
         from jqlora.ops import decode_norm
 
         decode_norm.norm_problem = lambda backend, shape: "decode_profile: xla_norm"
-    if "no_step" in parts:  # decode_attention after XLA's RoPE and cache writes, not decode_attention_step
-        from jqlora.ops import cached_attention
-
-        cached_attention.step_problem = lambda *a, **k: "decode_profile: no_step"
     layers = {"hoisted": "hoisted", "scanned": "scanned", "apart": "hoisted"}.get(variant.removeprefix("lora_"), "auto")
     fuse = not variant.endswith("apart")
     gen = lambda n: models.generate(model, ids, n, decode_layers=layers, fuse_projections=fuse)  # noqa: E731

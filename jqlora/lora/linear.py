@@ -22,7 +22,6 @@ from flax import nnx
 
 from jqlora import ops as _ops
 from jqlora import quant
-from jqlora.ops.qmatmul import qmatmul_partials
 
 
 class FrozenParam(nnx.Variable):
@@ -230,16 +229,6 @@ class QLoRALinear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
-
-    def partial_products(self, x: jax.Array) -> jax.Array:
-        """self(x) as terms (S, ..., out_features) that sum to it, for inference: a 4-bit base's
-        K-split partials in float32, unsummed (`jqlora.ops.qmatmul.qmatmul_partials`), where the
-        layer is the base product alone; one term, self(x), with LoRA, a bias or other numerics. A
-        decoding step's norm kernel adds them to the residual (`jqlora.ops.decode_norm`)."""
-        base = self.base.get_value()
-        if self.rank or self.bias is not None or self.numerics != "weight_only" or not isinstance(base, quant.Weight4bit):
-            return self(x)[None]
-        return qmatmul_partials(x, base, compute_dtype=self.compute_dtype or x.dtype, backend=self.backend)
 
     # ------------------------------------------------------------------ merge
     def delta(self) -> jax.Array:

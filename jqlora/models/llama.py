@@ -68,15 +68,12 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
 
     def add_and_norm(self, x: jax.Array, delta: Optional[jax.Array], decoding: Optional[str] = None):
-        """(r, norm(r)) with r = x + delta (x when delta is None); delta may be a product's terms
-        (S, *x.shape) (`QLoRALinear.partial_products`). decoding: the kernel backend of a decoding
-        step (one new token a row), which runs both as one `rms_norm` kernel where
+        """(r, norm(r)) with r = x + delta (x when delta is None). decoding: the kernel backend of a
+        decoding step (one new token a row), which runs both as one `rms_norm` kernel where
         `jqlora.ops.decode_norm` takes the step; None: XLA."""
         if decoding is not None and decode_norm.norm_problem(decoding, x.shape) is None:
             return decode_norm.add_rms_norm(x, delta, self.weight[...], eps=self.eps, kind=self.kind,
                                             backend=decoding)
-        if delta is not None and delta.ndim == x.ndim + 1:
-            delta = jnp.sum(delta.astype(jnp.float32), axis=0).astype(x.dtype)
         r = x if delta is None else x + delta
         return r, self(r)
 
@@ -119,27 +116,14 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(norms["k_norm"], config.rms_norm_eps, config.norm_kind)
 
     def __call__(self, x, cos, sin, q_slots, k_slots, q_seg, k_seg, runs=None, kv_cache=None, index=None,
-                 impl: str = "einsum", plain_causal: bool = False, o_terms: bool = False):
+                 impl: str = "einsum", plain_causal: bool = False):
         """-> (output (B, T, hidden), the updated cache arrays or None). impl: an attention of
         ATTENTION_IMPLS without a cache; with one, the kernel backend of cached decoding, which
         runs one new token a row through `jqlora.ops.cached_attention` where its kernel takes the
-        step, and the einsum path otherwise (prefill, ring buffers, other head sizes). o_terms: the
-        output as o_proj's terms (S, B, T, hidden) (`QLoRALinear.partial_products`), for the
-        decoding norm kernel that sums them."""
-        out_proj = self.o_proj.partial_products if o_terms else self.o_proj
+        step, and the einsum path otherwise (prefill, ring buffers, other head sizes)."""
         cfg = self.config
         b, t, _ = x.shape
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        ring = kv_cache is not None and len(kv_cache) > 3 and kv_cache[3]
-        if kv_cache is not None and not ring and cached_attention.step_problem(
-                impl, (b, t, h, d), kv_cache[0].shape, rotary_dim=cos.shape[-1], qk_norm=cfg.qk_norm,
-                one_projection=hasattr(self, "qkv_proj")) is None:
-            # one kernel: q|k|v's terms summed, RoPE, k and v written into the cache, attention
-            ck, cv, layer = kv_cache[:3]
-            out, ck, cv = cached_attention.decode_attention_step(
-                self.qkv_proj.partial_products(x), cos, sin, ck, cv, layer, index, q_seg, k_seg, heads=h,
-                scale=cfg.attn_scale, cap=cfg.attn_softcap, window=self.window, backend=impl)
-            return out_proj(out), (ck, cv)
         if hasattr(self, "qkv_proj"):  # Phi-3's checkpoint, or q, k and v fused for decoding
             q, k, v = jnp.split(self.qkv_proj(x), [h * d, (h + kvh) * d], axis=-1)
         else:
@@ -150,7 +134,7 @@ class Attention(nnx.Module):
         c, s = cos[:, :, None, :], sin[:, :, None, :]
         q, k = apply_rope(q, c, s), apply_rope(k, c, s)
         new_kv = None
-        if ring:  # a sliding layer's ring buffer
+        if kv_cache is not None and len(kv_cache) > 3 and kv_cache[3]:  # a sliding layer's ring buffer
             k, v, k_slots, k_seg, new_kv = ring_attend(k, v, *kv_cache[:3], index, k_seg)
             k, v = k.astype(x.dtype), v.astype(x.dtype)
         elif kv_cache is not None:
@@ -165,13 +149,13 @@ class Attention(nnx.Module):
             if cached_attention.kernel_problem(impl, q.shape, ck.shape) is None:
                 out = cached_attention.decode_attention(q, ck, cv, layer, index, q_seg, k_seg, scale=cfg.attn_scale,
                                                         cap=cfg.attn_softcap, window=self.window, backend=impl)
-                return out_proj(out), new_kv
+                return self.o_proj(out), new_kv
             k = jax.lax.dynamic_index_in_dim(ck, layer, 0, keepdims=False).astype(x.dtype)
             v = jax.lax.dynamic_index_in_dim(cv, layer, 0, keepdims=False).astype(x.dtype)
         out = attend(q, k, v, q_slots, k_slots, q_seg, k_seg, scale=cfg.attn_scale, cap=cfg.attn_softcap,
                      window=self.window, dtype=x.dtype, impl="einsum" if kv_cache is not None else impl,
                      plain_causal=plain_causal, runs=runs)
-        return out_proj(out), new_kv
+        return self.o_proj(out), new_kv
 
     def fuse_projections(self) -> Optional[str]:
         """Replace q_proj, k_proj and v_proj by one qkv_proj computing the same (`jqlora.lora.fuse`),
@@ -281,12 +265,8 @@ class DecoderLayer(nnx.Module):
         # a decoding step's norms (and the residual add before one) as one kernel each: decode_norm
         decoding = impl if kv_cache is not None and x.shape[1] == 1 else None
         _, h = self.input_layernorm.add_and_norm(x, None, decoding)
-        # o_proj's K-split partials go to the norm kernel unsummed where it runs (not Gemma's
-        # sandwich, which normalises the attention output by itself first)
-        o_terms = (decoding is not None and not self.sandwich
-                   and decode_norm.norm_problem(decoding, x.shape) is None)
         a, new_kv = self.self_attn(h, cos, sin, q_slots, k_slots, q_seg, k_seg, runs, kv_cache, index, impl,
-                                   plain_causal, o_terms)
+                                   plain_causal)
         if self.sandwich:
             _, a = self.post_attention_layernorm.add_and_norm(a, None, decoding)
             x, h = self.pre_feedforward_layernorm.add_and_norm(x, a, decoding)

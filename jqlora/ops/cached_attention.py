@@ -44,22 +44,6 @@ def kernel_problem(backend: str, q_shape: tuple, cache_shape: tuple) -> Optional
     return None
 
 
-def step_problem(backend: str, q_shape: tuple, cache_shape: tuple, *, rotary_dim: int, qk_norm: bool,
-                 one_projection: bool) -> Optional[str]:
-    """Why the step kernel (`decode_attention_step`: RoPE and the cache writes inside the kernel)
-    does not take this decoding step (None: it does); `kernel_problem`'s reasons first."""
-    problem = kernel_problem(backend, q_shape, cache_shape)
-    if problem is not None:
-        return problem
-    if qk_norm:
-        return "q and k norms (Qwen3, Gemma 3) run between the projection and RoPE"
-    if rotary_dim != q_shape[3]:
-        return f"partial rotary ({rotary_dim} of {q_shape[3]} features)"
-    if not one_projection:
-        return "q, k and v are separate products (layers not hoisted)"
-    return None
-
-
 def decode_path(backend: str, batch: int, heads: int, head_dim: int) -> tuple[str, str]:
     """("kernel" | "einsum", why) for the decoding steps of a model whose layers keep whole caches
     (a sliding layer's ring buffer is always the einsum path): what `jqlora generate --timing`
@@ -81,18 +65,3 @@ def decode_attention(q, k_cache, v_cache, layer, index, q_seg, k_seg, *, scale: 
     y = kernel(q[:, 0], k_cache, v_cache, layer, index, q_seg[:, 0], k_seg, scale=float(scale), cap=cap,
                window=window, out_dtype=out_dtype or q.dtype, interpret=backend == "interpret")
     return y.reshape(b, 1, h * d)
-
-
-def decode_attention_step(qkv, cos, sin, k_cache, v_cache, layer, index, q_seg, k_seg, *, heads: int, scale: float,
-                          cap: Optional[float], window: Optional[int], backend: str):
-    """-> ((B, 1, h * d), k_cache, v_cache): the step from the new token's q|k|v projection, qkv
-    (B, 1, F) or its terms (S, B, 1, F) (`QLoRALinear.partial_products`), and its RoPE tables cos,
-    sin (B, 1, d); the kernel writes k and v at slot `index` of row `layer`. Call where
-    `step_problem` is None."""
-    from pallas_kernels.triton.decode_attention import decode_attention_step as kernel
-
-    y, k_cache, v_cache = kernel(qkv[..., 0, :], cos[:, 0], sin[:, 0], k_cache, v_cache, layer, index, q_seg[:, 0],
-                                 k_seg, heads=heads, scale=float(scale), cap=cap, window=window,
-                                 interpret=backend == "interpret")
-    b, _, d = y.shape
-    return y.reshape(b, 1, heads * d), k_cache, v_cache

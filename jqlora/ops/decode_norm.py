@@ -41,13 +41,11 @@ def norm_problem(backend: str, shape: tuple) -> Optional[str]:
 
 
 def add_rms_norm(x, delta, weight, *, eps: float, kind: str, backend: str) -> tuple[jax.Array, jax.Array]:
-    """(r, RMSNorm(r)) with r = x + delta (x when delta is None), in x's dtype. x (B, 1, N); delta
-    (B, 1, N), or a product's terms (S, B, 1, N) (`QLoRALinear.partial_products`), summed in the
-    kernel. Call where `norm_problem` is None."""
+    """(r, RMSNorm(r)) with r = x + delta (x when delta is None), x and delta (B, 1, N), in x's
+    dtype. Call where `norm_problem` is None."""
     from pallas_kernels.triton.rms_norm import rms_norm
 
     b, t, n = x.shape
-    if delta is not None:
-        delta = delta.reshape(*delta.shape[:-3], b * t, n)
-    r, h = rms_norm(x.reshape(b * t, n), delta, weight, eps=float(eps), kind=kind, interpret=backend == "interpret")
+    flat = lambda a: None if a is None else a.reshape(b * t, n)  # noqa: E731
+    r, h = rms_norm(flat(x), flat(delta), weight, eps=float(eps), kind=kind, interpret=backend == "interpret")
     return r.reshape(x.shape), h.reshape(x.shape)

@@ -98,23 +98,6 @@ def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "
     return fn(x, q.cb, q.scb, out_dtype=out_dtype, interpret=plan.interpret)
 
 
-def forward_partials(plan: Plan, x: jax.Array, q, *, out_dtype) -> jax.Array:
-    """x @ dequant(W).T as (S, M, N) terms that sum to it: the K splits' float32 partials where the
-    plan's kernel keeps them (`Variant.keeps_splits`), else (1, M, N), the product in out_dtype.
-    For a consumer that sums them inside its own kernel (`jqlora.ops.decode_norm`)."""
-    if plan.backend != "xla" and isinstance(q, Weight4bit) and _variant(plan.fwd).keeps_splits:
-        x, q = after(x, q)
-        fn = _variant(plan.fwd).fn
-        if q.nested and _variant(plan.fwd).accepts_nested:
-            packed, codes, nested = nested_kernel_operands_4bit(q)
-            return fn(x, packed, codes, q.code, blocksize=q.blocksize, out_dtype=out_dtype,
-                      interpret=plan.interpret, nested=nested, keep_splits=True)
-        packed, absmax = kernel_operands_4bit(q)
-        return fn(x, packed, absmax, q.code, blocksize=q.blocksize, out_dtype=out_dtype, interpret=plan.interpret,
-                  keep_splits=True)
-    return forward_product(plan, x, q, out_dtype=out_dtype)[None]
-
-
 def backward_product(plan: Plan, dy: jax.Array, q, *, out_dtype) -> jax.Array:
     """dx = dy @ dequant(W), (M, N) x (N, K) -> (M, K); dequantizes again instead of reusing."""
     dy, q = after(dy, q)

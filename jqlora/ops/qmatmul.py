@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import jqlora.ops.sharding as sharding
 from jqlora.ops.fp8 import FP8_MIN_ROWS, backward_fp8, check_fp8_weight, forward_fp8
 from jqlora.ops.dispatch import Plan, choose_plan
-from jqlora.ops.products import (acc_dtype, backward_product, dot_nn, dot_nt, forward_partials, forward_product,
-                                 precision)
+from jqlora.ops.products import acc_dtype, backward_product, dot_nn, dot_nt, forward_product, precision
 from jqlora.quant import Int8Weight, Weight4bit
 
 NUMERICS = ("weight_only", "llm_int8", "fp8")
@@ -199,25 +198,6 @@ def qmatmul(
         a, b, scale = _check_lora(lora, n, k)
         y = sharding.per_device(functools.partial(_with_lora, st, float(scale)), x2, q, a.astype(cd), b.astype(cd))
     return y.reshape(*lead, n)
-
-
-def qmatmul_partials(x: jax.Array, q, *, compute_dtype=None, backend: str = "auto") -> jax.Array:
-    """x @ W.T for x (..., K) as terms (S, ..., N) that sum to it, for inference (no gradient, no
-    LoRA): a 4-bit kernel's K-split partials in float32, unsummed, where the dispatched kernel keeps
-    them (`products.forward_partials`); otherwise one term, qmatmul's result. A decoding step's
-    norm kernel sums them with the residual in one launch (`jqlora.ops.decode_norm`)."""
-    x = jnp.asarray(x)
-    cd = jnp.dtype(compute_dtype if compute_dtype is not None else x.dtype)
-    if not isinstance(q, Weight4bit):
-        return qmatmul(x, q, compute_dtype=cd, backend=backend)[None]
-    n, k = q.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x has {x.shape[-1]} features but the weight is (out={n}, in={k}); y = x @ W.T")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).astype(cd)
-    plan = choose_plan(q, sharding.local_rows(x2.shape[0]), backend, dtype=cd.name)
-    y = jax.lax.stop_gradient(forward_partials(plan, x2, q, out_dtype=cd.name))
-    return y.reshape(y.shape[0], *lead, n)
 
 
 def _check_lora(lora, n, k):

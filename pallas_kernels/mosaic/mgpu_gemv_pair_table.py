@@ -510,18 +510,18 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: GemvPairTableCo
     )
     with compute_registers_held(FOUR_WG_REGISTERS if cfg.wgs == 4 else None):
         y = kernel(x, packed, scales, code, *(nest or ()))
-    return y  # (S, M, N) partials, or y
+    return jnp.sum(y, axis=0) if splits > 1 else y
 
 
 def mgpu_gemv_pair_table(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                          interpret: bool = False, nested=None,
-                         config: GemvPairTableConfig | None = None, keep_splits: bool = False):
+                         config: GemvPairTableConfig | None = None):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 2 on a Hopper GPU. x bf16/f16; packed
     (N, K // 2) uint8; absmax (N, K // blocksize) f32 or, with `nested`, the uint8 codes."""
     return pair_table_product(
         "mgpu_gemv_pair_table", "gemv_block_scaled or the reference", default_config,
         shape_problem, _call, x, packed, absmax, code, blocksize=blocksize, out_dtype=out_dtype,
-        interpret=interpret, nested=nested, config=config, keep_splits=keep_splits)
+        interpret=interpret, nested=nested, config=config)
 
 
 VARIANTS = (
@@ -534,5 +534,5 @@ VARIANTS = (
                     "256-entry pair table, two fma per byte, fp32 block sums times absmax "
                     "(de-nested in-kernel)",
         numerics="fp32_weight", status="default", config_type=GemvPairTableConfig,
-        default_config=default_config, keeps_splits=True),
+        default_config=default_config),
 )

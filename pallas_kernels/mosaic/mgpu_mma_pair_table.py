@@ -315,19 +315,19 @@ def _call(x, packed, scales, code, nest, *, blocksize: int, cfg: MmaPairTableCon
                if cfg.wg_reduce else {})),
     )
     with compute_registers_held(FOUR_WG_REGISTERS if cfg.compute_wgs == 4 else None):
-        return kernel(x.reshape(m, k // 256, 256), w_view, scales, code, *(nest or ()))  # (S, M, N) partials or y
+        y = kernel(x.reshape(m, k // 256, 256), w_view, scales, code, *(nest or ()))
+    return jnp.sum(y, axis=0) if cfg.partials > 1 else y
 
 
 def mgpu_mma_pair_table(x, packed, absmax, code, *, blocksize: int, out_dtype=None,
                         interpret: bool = False, nested=None,
-                        config: MmaPairTableConfig | None = None, keep_splits: bool = False):
+                        config: MmaPairTableConfig | None = None):
     """y (M, N) = x (M, K) @ dequant(W).T for M <= 64 on a Hopper GPU. x bf16/f16; packed
-    (N, K // 2) uint8; absmax (N, K // blocksize) f32 or, with `nested`, the uint8 codes.
-    keep_splits: the K splits' partials (S, M, N) unsummed (`pair_table_product`)."""
+    (N, K // 2) uint8; absmax (N, K // blocksize) f32 or, with `nested`, the uint8 codes."""
     return pair_table_product(
         "mgpu_mma_pair_table", "matmul_4bit_mma_reference", default_config, shape_problem,
         _call, x, packed, absmax, code, blocksize=blocksize, out_dtype=out_dtype,
-        interpret=interpret, nested=nested, config=config, keep_splits=keep_splits)
+        interpret=interpret, nested=nested, config=config)
 
 
 VARIANTS = (
@@ -339,5 +339,5 @@ VARIANTS = (
                     "in a lane-replicated 256-entry table of 16-bit code pairs straight into an "
                     "mma.sync A fragment; fp32 group sums times absmax",
         numerics="rounded_codes", status="default", config_type=MmaPairTableConfig,
-        default_config=default_config, keeps_splits=True),
+        default_config=default_config),
 )

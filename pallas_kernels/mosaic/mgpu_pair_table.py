@@ -87,11 +87,9 @@ def scale_operands(absmax, nested, n: int, k: int, blocksize: int):
 
 def pair_table_product(what: str, cpu_hint: str, make_config, shape_problem, call, x, packed,
                        absmax, code, *, blocksize: int, out_dtype, interpret: bool, nested,
-                       config, keep_splits: bool = False):
+                       config):
     """A pair-table kernel's public entry: the checks (clear errors for interpret mode, weight,
-    x and shapes), the default config, the scale operands, `call` and the output dtype.
-    keep_splits: return the K splits' float32 partials (S, M, N) unsummed (S = 1 where the kernel
-    stores y itself, in out_dtype), for a consumer that sums them itself (`pallas_kernels.triton.rms_norm`)."""
+    x and shapes), the default config, the scale operands, `call` and the output dtype."""
     if interpret:
         raise NotImplementedError(f"{what} has no interpret mode (Mosaic GPU, inline PTX); run "
                                   f"{cpu_hint} on CPU")
@@ -102,7 +100,7 @@ def pair_table_product(what: str, cpu_hint: str, make_config, shape_problem, cal
         raise ValueError(f"{what}: x must be bfloat16 or float16, got {x.dtype}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if m == 0:
-        return jnp.zeros((1, 0, n) if keep_splits else (0, n), out_dtype)
+        return jnp.zeros((0, n), out_dtype)
     cfg = config or make_config(m, n, k, blocksize)
     problem = shape_problem(m, n, k, blocksize, cfg)
     if problem:
@@ -110,6 +108,4 @@ def pair_table_product(what: str, cpu_hint: str, make_config, shape_problem, cal
     scales, nest = scale_operands(absmax, nested, n, k, blocksize)
     y = call(x, packed, scales, jnp.asarray(code, jnp.float32), nest, blocksize=blocksize,
              cfg=cfg, out_dtype=out_dtype)
-    if keep_splits:
-        return y if y.ndim == 3 else y.astype(out_dtype)[None]
-    return jnp.sum(y, axis=0).astype(out_dtype) if y.ndim == 3 else y.astype(out_dtype)
+    return y.astype(out_dtype)

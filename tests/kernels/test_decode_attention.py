@@ -1,9 +1,7 @@
-"""The cached-decoding attention kernels (`registry.attention_variants()`: decode_attention, and
-decode_attention_step, which also sums the new token's q|k|v terms, applies RoPE and writes the
-cache) against their float32 references on random shapes (GQA groups, ragged slot blocks, splits,
-segments, a sliding window, soft-capping), in Pallas interpret mode on CPU (compiled on a GPU);
-the reference against the model's einsum path and RoPE; the Triton lowering; errors; which path a
-decoding step takes.
+"""The cached-decoding attention kernel (`registry.attention_variants()`: decode_attention) against
+its float32 reference on random shapes (GQA groups, ragged slot blocks, splits, segments, a
+sliding window, soft-capping), in Pallas interpret mode on CPU (compiled on a GPU); the reference
+against the model's einsum path; the Triton lowering; errors; which path a decoding step takes.
 Generation through the kernel: tests/models/test_decode_layers.py."""
 from __future__ import annotations
 
@@ -14,12 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jqlora.models.attention import apply_rope, einsum_attention
+from jqlora.models.attention import einsum_attention
 from jqlora.ops import cached_attention
 from pallas_kernels import registry
-from pallas_kernels.reference.attention import (decode_attention_reference, decode_attention_step_reference,
-                                                new_token_projections)
-from pallas_kernels.triton.decode_attention import decode_attention, decode_attention_step
+from pallas_kernels.reference.attention import decode_attention_reference
+from pallas_kernels.triton.decode_attention import decode_attention
 
 INTERPRET = jax.default_backend() != "gpu"
 
@@ -62,55 +59,6 @@ def test_kernel_matches_its_reference_on_random_shapes(layers, b, s, kvh, groups
     assert got.shape == want.shape == (b, kvh * groups, d)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5,
                                err_msg=f"S={s} index={index} block_s={block_s} splits={splits}")
-
-
-def _step_operands(b, heads, kvh, d, terms, dtype, seed):
-    """The new token's q|k|v projection (B, F), or terms (S, B, F) in float32, and RoPE tables (B, d)
-    of random positions."""
-    rng = np.random.default_rng(seed)
-    width = (heads + 2 * kvh) * d
-    qkv = rng.normal(size=(b, width) if terms is None else (terms, b, width))
-    inv = 1.0 / 10000.0 ** (np.arange(d // 2) / (d // 2))
-    ang = rng.uniform(0, 500, size=(b, 1)) * inv
-    emb = np.concatenate([ang, ang], axis=-1)
-    return (jnp.asarray(qkv, dtype if terms is None else jnp.float32), jnp.asarray(np.cos(emb), dtype),
-            jnp.asarray(np.sin(emb), dtype))
-
-
-@settings(max_examples=10)
-@given(layers=st.integers(1, 3), b=st.integers(1, 3), s=st.integers(1, 150), kvh=st.sampled_from([1, 2]),
-       groups=st.sampled_from([1, 3, 4]), d=st.sampled_from([8, 16, 32]), at=st.floats(0, 1),
-       block_s=st.sampled_from([8, 16, 32]), split_at=st.floats(0, 1), cap=st.sampled_from([None, 5.0]),
-       window=st.sampled_from([None, 7]), terms=st.sampled_from([None, 1, 3]), data=st.data())
-def test_step_kernel_matches_its_reference_on_random_shapes(layers, b, s, kvh, groups, d, at, block_s, split_at,
-                                                            cap, window, terms, data):
-    """The step writes the new key and value at slot index of row layer, nothing else, and attends
-    as the reference does; split 0 alone holds the new key (splits must not count it twice)."""
-    index = min(s - 1, int(at * s))
-    layer = data.draw(st.integers(0, layers - 1))
-    _, k, v, q_seg, k_seg = _operands(layers, b, s, kvh, groups, d, index, jnp.float32, seed=s + d)
-    qkv, cos, sin = _step_operands(b, kvh * groups, kvh, d, terms, jnp.float32, seed=s)
-    bs = min(block_s, 1 << (s.bit_length() - 1))
-    splits = 1 + int(split_at * (-(-s // bs) - 1))
-    kw = dict(heads=kvh * groups, scale=0.3, cap=cap, window=window)
-    y, k2, v2 = decode_attention_step(qkv, cos, sin, k, v, layer, index, q_seg, k_seg, interpret=INTERPRET,
-                                      block_s=block_s, splits=splits, **kw)
-    y_ref, k_ref, v_ref = decode_attention_step_reference(qkv, cos, sin, k, v, layer, index, q_seg, k_seg, **kw)
-    np.testing.assert_array_equal(np.asarray(k2), np.asarray(k_ref))
-    np.testing.assert_array_equal(np.asarray(v2), np.asarray(v_ref))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=2e-5, atol=2e-5,
-                               err_msg=f"S={s} index={index} block_s={block_s} splits={splits}")
-
-
-def test_new_token_projections_are_the_models_rope():
-    """The step's q and k: the model's apply_rope on the summed, rounded projection (float32 here)."""
-    qkv, cos, sin = _step_operands(2, 4, 2, 16, 3, jnp.float32, seed=5)
-    q, k, v = new_token_projections(qkv, cos, sin, heads=4, kv_heads=2, dtype=jnp.float32)
-    y = jnp.sum(qkv, axis=0).reshape(2, 8, 16)
-    c, s = cos[:, None, :], sin[:, None, :]
-    np.testing.assert_allclose(np.asarray(q), np.asarray(apply_rope(y[:, :4], c, s)), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(k), np.asarray(apply_rope(y[:, 4:6], c, s)), rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(v), np.asarray(y[:, 6:]))
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -161,10 +109,9 @@ def test_errors_name_the_operand():
 
 
 def test_registered_and_lowers_for_triton(lower_for_triton):
-    v, step = registry.attention_variants()
+    (v,) = registry.attention_variants()
     assert registry.get("decode_attention") is v and v.status == "default" and v.numerics == "online_softmax"
-    assert registry.get("decode_attention_step") is step and step.op == "decode_attention_step"
-    assert registry.module_of("decode_attention_step") == "pallas_kernels.triton.decode_attention"
+    assert registry.module_of("decode_attention") == "pallas_kernels.triton.decode_attention"
     sd = jax.ShapeDtypeStruct
     for (layers, b, s, kvh, h, d, cap, window) in ((32, 1, 272, 8, 32, 128, None, None),
                                                    (16, 1, 4096, 8, 32, 64, None, None),
@@ -173,12 +120,6 @@ def test_registered_and_lowers_for_triton(lower_for_triton):
         fn = lambda *a, cap=cap, window=window: decode_attention(*a, scale=0.1, cap=cap, window=window)  # noqa: E731
         lower_for_triton(f"decode_attention S={s} d={d}", fn, sd((b, h, d), jnp.bfloat16), cache, cache,
                          sd((), jnp.int32), sd((), jnp.int32), sd((b,), jnp.int32), sd((b, s), jnp.int32))
-        terms = sd((8, b, (h + 2 * kvh) * d), jnp.float32)
-        fn = lambda *a, cap=cap, window=window, h=h: decode_attention_step(  # noqa: E731
-            *a, heads=h, scale=0.1, cap=cap, window=window)
-        lower_for_triton(f"decode_attention_step S={s} d={d}", fn, terms, sd((b, d), jnp.bfloat16),
-                         sd((b, d), jnp.bfloat16), cache, cache, sd((), jnp.int32), sd((), jnp.int32),
-                         sd((b,), jnp.int32), sd((b, s), jnp.int32))
 
 
 def test_which_path_runs():
@@ -191,13 +132,6 @@ def test_which_path_runs():
     with pytest.raises(ValueError, match="unknown backend"):
         cached_attention.kernel_problem("triton", (1, 1, 4, 64), (2, 1, 16, 2, 64))
     assert cached_attention.decode_path("interpret", 2, 8, 64)[0] == "kernel"
-    step = lambda **kw: cached_attention.step_problem("interpret", (1, 1, 4, 64), (2, 1, 16, 2, 64),  # noqa: E731
-                                                      **{"rotary_dim": 64, "qk_norm": False, "one_projection": True, **kw})
-    assert step() is None
-    assert "q and k norms" in step(qk_norm=True) and "partial rotary" in step(rotary_dim=48)
-    assert "separate products" in step(one_projection=False)
-    assert cached_attention.step_problem("xla", (1, 1, 4, 64), (2, 1, 16, 2, 64), rotary_dim=64, qk_norm=False,
-                                         one_projection=True) == "backend 'xla' runs the einsum path"
     path, why = cached_attention.decode_path("pallas", 1, 32, 96)
     assert path == "einsum" and "head_dim 96" in why
 

@@ -3,20 +3,18 @@ from __future__ import annotations
 
 
 def record_kernel_calls(monkeypatch) -> list[dict]:
-    """Wrap the attention kernels' doors, `jqlora.ops.cached_attention.decode_attention` and
-    `decode_attention_step`, for the test; the returned list gets each call's keyword arguments
-    (scale, cap, window, backend) and "kernel" (the door's name) as it is traced."""
+    """Wrap `jqlora.ops.cached_attention.decode_attention` for the test; the returned list gets each
+    call's keyword arguments (scale, cap, window, backend) as it is traced."""
     from jqlora.ops import cached_attention
 
     calls: list[dict] = []
-    for name in ("decode_attention", "decode_attention_step"):
-        real = getattr(cached_attention, name)
+    real = cached_attention.decode_attention
 
-        def recorded(*args, _real=real, _name=name, **kwargs):
-            calls.append({**kwargs, "kernel": _name})
-            return _real(*args, **kwargs)
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
 
-        monkeypatch.setattr(cached_attention, name, recorded)
+    monkeypatch.setattr(cached_attention, "decode_attention", recorded)
     return calls
 
 
