@@ -33,11 +33,12 @@ one JSON line per prompt, in order, {..., "completion": text, "ids": [...], "sto
 bool}, to stdout or --out FILE (written whole, or not at all).
 
 Defaults are the fastest correct path here: bf16 compute and cuDNN attention on a GPU (each
-decoded token's attention in the decode_attention kernel), float32 and einsum attention
-elsewhere. --timing prints one line to stderr, `timing: {json}`: seconds to load the model
-(load_s), seconds in generation (generate_s: compiling, or loading from the compilation cache,
-plus prefill and decode), new tokens and their rate, the prefill's attention and the decoding
-steps' (decode_attention: kernel or einsum, and why)."""
+decoded token's attention in the decode_attention kernel, its norms in the rms_norm kernel),
+float32, einsum attention and XLA's norms elsewhere. --timing prints one line to stderr,
+`timing: {json}`: seconds to load the model (load_s), seconds in generation (generate_s:
+compiling, or loading from the compilation cache, plus prefill and decode), new tokens and their
+rate, the prefill's attention and the decoding steps' (decode_attention: kernel or einsum, and
+why; decode_norm: kernel or xla, and why)."""
 
 
 def add_arguments(p):
@@ -206,7 +207,7 @@ def run(args) -> int:
         print("timing: " + json.dumps({
             "load_s": round(t_gen - t_start, 4), "generate_s": round(t_end - t_gen, 4), "new_tokens": new_tokens,
             "tokens_per_s": round(new_tokens / max(t_end - t_gen, 1e-9), 2), "compute_dtype": dtype,
-            "attention": attention, "attention_reason": why, **_decode_attention(model, len(rows))}), file=sys.stderr)
+            "attention": attention, "attention_reason": why, **_decode_paths(model, len(rows))}), file=sys.stderr)
     if args.json:
         print(json.dumps(results if len(results) > 1 else results[0], indent=1))
         return 0
@@ -308,16 +309,22 @@ def _generate_file(args, model, tok, entries, eos, *, bos, t_start, dtype, atten
             "load_s": round(t_gen - t_start, 4), "generate_s": round(t_end - t_gen, 4), "prompts": len(rows),
             "new_tokens": new_tokens, "tokens_per_s": round(new_tokens / max(t_end - t_gen, 1e-9), 2),
             "compute_dtype": dtype, "attention": attention, "attention_reason": why,
-            **_decode_attention(model, min(size, len(rows)))}), file=sys.stderr)
+            **_decode_paths(model, min(size, len(rows)))}), file=sys.stderr)
     return 0
 
 
-def _decode_attention(model, batch: int) -> dict:
-    """The decoding steps' attention path for the timing line (`jqlora.ops.cached_attention`)."""
+def _decode_paths(model, batch: int) -> dict:
+    """The decoding steps' attention and norm paths for the timing line
+    (`jqlora.ops.cached_attention`, `jqlora.ops.decode_norm`)."""
     from jqlora.ops.cached_attention import decode_path
+    from jqlora.ops.decode_norm import norm_problem
 
     cfg = model.config
     path, why = decode_path(model.backend, batch, cfg.num_attention_heads, cfg.head_dim)
     if any(w is not None for w in cfg.sliding_windows):
         why += "; sliding layers with a ring buffer: einsum"
-    return {"decode_attention": path, "decode_attention_reason": why}
+    problem = norm_problem(model.backend, (batch, 1, cfg.hidden_size))
+    norm = ("kernel", f"{model.backend}: the rms_norm kernel, one launch a norm") if problem is None \
+        else ("xla", f"{model.backend}: {problem}")
+    return {"decode_attention": path, "decode_attention_reason": why, "decode_norm": norm[0],
+            "decode_norm_reason": norm[1]}

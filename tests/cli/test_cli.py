@@ -234,11 +234,13 @@ def test_generate_prints_tokens(trained, nf4_ckpt, capsys):
     assert rc == 0
     assert len(json.loads(out)["ids"]) <= 4
     timing = json.loads(next(ln for ln in err.splitlines() if ln.startswith("timing: "))[len("timing: "):])
-    assert {"load_s", "generate_s", "attention", "decode_attention", "decode_attention_reason"} <= set(timing)
+    assert {"load_s", "generate_s", "attention", "decode_attention", "decode_attention_reason", "decode_norm",
+            "decode_norm_reason"} <= set(timing)
     import jax
 
-    if jax.default_backend() != "gpu":  # the decoding steps' attention: the kernel runs on a GPU only
+    if jax.default_backend() != "gpu":  # the decoding steps' attention and norms: the kernels run on a GPU only
         assert timing["decode_attention"] == "einsum" and "not on a GPU" in timing["decode_attention_reason"]
+        assert timing["decode_norm"] == "xla" and "not on a GPU" in timing["decode_norm_reason"]
 
 
 # --------------------------------------------------------------------------------------------- bench
