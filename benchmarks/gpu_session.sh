@@ -26,7 +26,8 @@
 #   bash benchmarks/gpu_session.sh moe-2gpu  # 2 GPUs: the same jqlora step on GPU 0, then fsdp=2, then
 #                                            # data=2 (one 2,048-token row a GPU; ~8 min)
 #   bash benchmarks/gpu_session.sh decode    # decoding compiled (the attention and norm kernels through every
-#                                            # family's generation tests), then decode 1B/8B: the defaults vs
+#                                            # family's generation tests), the norm kernel's num_warps against
+#                                            # XLA's norm (decode_norm_bench), then decode 1B/8B: the defaults vs
 #                                            # XLA's norms and vs the einsum path; with an adapter; and 8B after
 #                                            # a 2,048-token prompt (~9 min)
 #   bash benchmarks/gpu_session.sh surogate  # Surogate's published configuration on a Qwen3-8B shape:
@@ -150,6 +151,8 @@ case "${1:-tests}" in
       tests/models/test_rollout.py tests/models/test_gemma.py tests/models/test_moe.py \
       -k "generat or decode or rollout or greedy or rms" 2>&1 \
       | tee "$OUT/gpu_decode_tests.log" | tail -8
+    timeout 90 python3 -m benchmarks.decode_norm_bench --configs "num_warps=1;num_warps=2;num_warps=8" --out "$OUT" \
+      2>&1 | tail -3
     dp="env OUT=$OUT python3 -m benchmarks.profile.decode_profile --tokens 256 --timeout-s 95"
     (timeout 200 $dp --shape 1b --variants default,xla_norm,einsum_attention,lora
      timeout 150 $dp --shape 8b --variants default,xla_norm
