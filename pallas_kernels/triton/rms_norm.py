@@ -4,13 +4,15 @@ Why: at one token a row, XLA runs a decoder layer's norm as two kernels (the mea
 reduction, then the scaling that reads it) and the residual add that feeds it as a third, or
 folds the add and the product's K-split sum into the reduction, which then takes about 3 us
 (a 1B decode, H200: about 8 us a layer for the two norms, docs/kernels.md). Each is a launch of
-about a microsecond for a few KB of work. Here one program per row sums the product's partials,
-adds the residual, normalises and scales: one launch.
+about a microsecond for a few KB of work. Here one program per row adds the residual,
+normalises and scales: one launch of 1.6-1.9 us.
 
 Layout: program i takes row i whole, in power-of-two pieces (`row_chunk`: Gemma's widths are not
-powers of two): the residual, the S partials of the product (float32, unsummed, or one (M, N)
-array in x's dtype) and the weight; it stores the new residual and the normalised row. Numerics: "rms_norm"
-(`pallas_kernels.reference.norm`), bit for bit the jnp oracle's roundings.
+powers of two): the residual, the delta and the weight; it stores the new residual and the
+normalised row. The delta is one (M, N) array in x's dtype, or a product's S float32 K-split
+partials (S, M, N), summed here; the decoder layers hand over the product's output whole
+(summing o_proj's partials in this kernel measured slower, docs/kernels.md). Numerics: "rms_norm"
+(`pallas_kernels.reference.norm`): the oracle's roundings, its float32 sums in another order.
 """
 from __future__ import annotations
 
