@@ -13,10 +13,7 @@ Random bf16 caches of the shape's layers and heads (1b: 16 layers, 32 heads over
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import sys
 
 SHAPES = {"1b": dict(layers=16, heads=32, kv_heads=8, head_dim=64),
           "8b": dict(layers=32, heads=32, kv_heads=8, head_dim=128),
@@ -34,7 +31,7 @@ def bench(shapes, slots, batches, configs, log=print) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.timing import jax_device_ms
+    from benchmarks.timing import timed_us
     from jqlora.models.attention import einsum_attention
     from pallas_kernels.triton.decode_attention import block_slots, decode_attention, default_splits
 
@@ -69,11 +66,7 @@ def bench(shapes, slots, batches, configs, log=print) -> list[dict]:
                     contenders.append((f"kernel {cfg}", cfg,
                                        lambda *a, cfg=cfg: decode_attention(*a, scale=scale, interpret=interp, **cfg)))
                 for label, cfg, fn in contenders:
-                    row = {"shape": name, "slots": s, "batch": b, "contender": label}
-                    try:
-                        row["us"] = round(jax_device_ms(fn, *args) * 1e3, 2)
-                    except Exception as err:  # noqa: BLE001 - a config that fails is a result too
-                        row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                    row = {"shape": name, "slots": s, "batch": b, "contender": label, **timed_us(fn, *args)}
                     log(json.dumps(row))
                     rows.append(row)
     return rows
@@ -87,19 +80,11 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    from benchmarks.product_bench import measured_commit
-    from benchmarks.run import device_name, versions
+    from benchmarks.run import write_rows
 
     ints = lambda t: [int(x) for x in t.split(",")]  # noqa: E731
-    rows = bench(a.shapes.split(","), ints(a.slots), ints(a.batch), parse_configs(a.configs))
-    res = {"rows": rows, "device": device_name(), "date": datetime.date.today().isoformat(),
-           "commit": measured_commit() or "unknown", "versions": versions(), "argv": sys.argv[1:]}
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, f"{res['device'].lower().replace(' ', '-')}-{res['date']}_decode_attention.json")
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
-        print(f"wrote {path}")
+    write_rows(bench(a.shapes.split(","), ints(a.slots), ints(a.batch), parse_configs(a.configs)), a.out,
+               "decode_attention")
     return 0
 
 

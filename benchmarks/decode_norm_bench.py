@@ -12,10 +12,7 @@ kernel. Writes <out>/<gpu>-<date>_decode_norm.json with device, date, commit and
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import sys
 
 
 def parse_configs(text: str | None) -> list[dict]:
@@ -29,7 +26,7 @@ def bench(widths, rows, configs, log=print) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.timing import jax_device_ms
+    from benchmarks.timing import timed_us
     from jqlora.models.llama import RMSNorm
     from pallas_kernels.triton.rms_norm import rms_norm
 
@@ -52,11 +49,7 @@ def bench(widths, rows, configs, log=print) -> list[dict]:
             contenders += [(f"kernel {cfg}", lambda *a, cfg=cfg: rms_norm(*a, eps=1e-5, interpret=interp, **cfg))
                            for cfg in configs]
             for label, fn in contenders:
-                row = {"width": n, "rows": m, "contender": label}
-                try:
-                    row["us"] = round(jax_device_ms(fn, x, delta, weight) * 1e3, 2)
-                except Exception as err:  # noqa: BLE001 - a setting that fails is a result too
-                    row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                row = {"width": n, "rows": m, "contender": label, **timed_us(fn, x, delta, weight)}
                 log(json.dumps(row))
                 out.append(row)
     return out
@@ -69,19 +62,10 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    from benchmarks.product_bench import measured_commit
-    from benchmarks.run import device_name, versions
+    from benchmarks.run import write_rows
 
     ints = lambda t: [int(x) for x in t.split(",")]  # noqa: E731
-    rows = bench(ints(a.widths), ints(a.rows), parse_configs(a.configs))
-    res = {"rows": rows, "device": device_name(), "date": datetime.date.today().isoformat(),
-           "commit": measured_commit() or "unknown", "versions": versions(), "argv": sys.argv[1:]}
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, f"{res['device'].lower().replace(' ', '-')}-{res['date']}_decode_norm.json")
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
-        print(f"wrote {path}")
+    write_rows(bench(ints(a.widths), ints(a.rows), parse_configs(a.configs)), a.out, "decode_norm")
     return 0
 
 

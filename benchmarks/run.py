@@ -136,6 +136,22 @@ def results_from_log(path: str, device: str, date: str, versions_text: str) -> d
     return res
 
 
+def write_rows(rows: list[dict], out_dir: str | None, kind: str, log=print) -> dict:
+    """A sweep's result: its rows with device, date, commit and versions; written to
+    <out_dir>/<gpu>-<date>_<kind>.json where out_dir is given."""
+    from benchmarks.product_bench import measured_commit
+
+    res = {"rows": rows, "device": device_name(), "date": datetime.date.today().isoformat(),
+           "commit": measured_commit() or "unknown", "versions": versions(), "argv": sys.argv[1:]}
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"{res['device'].lower().replace(' ', '-')}-{res['date']}_{kind}.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        log(f"wrote {path}")
+    return res
+
+
 def write_results(res: dict, out_dir: str, tag: str, log=print) -> str:
     """<out>/<gpu>-<date><tag>.json and .md, each written to a temporary name and renamed."""
     for c in res["matmul"]:

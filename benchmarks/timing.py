@@ -60,6 +60,15 @@ def jax_device_ms(fn, *args, iterations: int = 20) -> float:
         return float(statistics.median(samples))
 
 
+def timed_us(fn, *args) -> dict:
+    """{"us": device microseconds of fn(*args)} (`jax_device_ms`), or {"error": ...} where the call
+    fails: a kernel setting that does not compile or run is a result of a sweep too."""
+    try:
+        return {"us": round(jax_device_ms(fn, *args) * 1e3, 2)}
+    except Exception as err:  # noqa: BLE001
+        return {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+
+
 def us_per_product(fn, args, copies: int, iterations: int = 10):
     """Device µs per product of a call that runs `copies` products, or the error text when the
     config does not compile (for sweeps, a failing config is a result too)."""

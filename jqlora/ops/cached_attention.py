@@ -20,7 +20,7 @@ from typing import Optional
 
 import jax
 
-from jqlora.ops.dispatch import BACKENDS, on_gpu
+from jqlora.ops.dispatch import decoding_backend_problem
 from jqlora.ops.sharding import product_mesh
 
 
@@ -28,12 +28,9 @@ def kernel_problem(backend: str, q_shape: tuple, cache_shape: tuple) -> Optional
     """Why the kernel does not run this step (None: it runs). q (B, T, h, d); cache (L, B, S, kvh, d)."""
     from pallas_kernels.triton.decode_attention import supports
 
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "xla":
-        return "backend 'xla' runs the einsum path"
-    if backend == "auto" and not on_gpu():
-        return "not on a GPU"
+    problem = decoding_backend_problem(backend, "the einsum path")
+    if problem is not None:
+        return problem
     b, t, h, d = q_shape
     if t != 1:
         return f"{t} new tokens (the kernel takes one a row)"

@@ -16,7 +16,7 @@ from typing import Optional
 
 import jax
 
-from jqlora.ops.dispatch import BACKENDS, on_gpu
+from jqlora.ops.dispatch import decoding_backend_problem
 from jqlora.ops.sharding import product_mesh
 
 
@@ -24,12 +24,9 @@ def norm_problem(backend: str, shape: tuple) -> Optional[str]:
     """Why the kernel does not run the norm of x of shape (B, T, N) (None: it runs)."""
     from pallas_kernels.triton.rms_norm import supports
 
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "xla":
-        return "backend 'xla' runs XLA's norm"
-    if backend == "auto" and not on_gpu():
-        return "not on a GPU"
+    problem = decoding_backend_problem(backend, "XLA's norm")
+    if problem is not None:
+        return problem
     b, t, n = shape
     if t != 1:
         return f"{t} new tokens (the kernel takes decoding rows, one token a row)"

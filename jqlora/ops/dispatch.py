@@ -144,6 +144,19 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def decoding_backend_problem(backend: str, xla_path: str) -> str | None:
+    """Why a decoding step's kernel (attention, norm) does not run under `backend`, before any
+    shape is looked at (None: the backend runs it). xla_path: what "xla" runs instead. Unlike the
+    products' backends these fall back: the path they fall back to computes the same."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "xla":
+        return f"backend 'xla' runs {xla_path}"
+    if backend == "auto" and not on_gpu():
+        return "not on a GPU"
+    return None
+
+
 def mgpu_available() -> bool:
     """A Hopper GPU and a jax whose Mosaic GPU runs the sm90 variants."""
     from pallas_kernels import registry

@@ -1,8 +1,9 @@
 """The decoding rows' residual add and RMSNorm kernel (`registry.norm_variants()`: rms_norm) against
 its jnp reference on random shapes (partials of a K split or one delta, widths in power-of-two
 pieces, both norm kinds, 16- and 32-bit rows), in Pallas interpret mode on CPU (compiled on a
-GPU), to two rounding steps of the dtype; the reference against the model's RMSNorm; the Triton lowering; errors;
-which path a decoding step takes. Generation through the kernel: tests/models/test_decode_layers.py."""
+GPU), to two rounding steps of the dtype; the reference against the model's RMSNorm; the Triton
+lowering; errors; which path a decoding step takes. Generation through the kernel:
+tests/models/test_decode_layers.py."""
 from __future__ import annotations
 
 import jax
