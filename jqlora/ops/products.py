@@ -40,30 +40,26 @@ def dot_nn(a, b):
                                preferred_element_type=acc_dtype(a, b))
 
 
-# At most this many rows (tokens being decoded), `low_rank_up` sums the rank in chunks of
-# RANK_CHUNK terms: XLA emits a reduction over a major dimension of fewer than 32 elements inline
-# (its elemental emitter), so such a sum fuses into its consumer; 32 or more make a kernel.
+# At most this many rows (tokens being decoded) and this rank, `low_rank_up` sums rank-1 terms.
 RANK_TERMS_MAX_ROWS = 16
-RANK_CHUNK = 16
+RANK_TERMS_MAX_RANK = 128
 
 
 def low_rank_up(xa, b):
     """xa @ b.T, (M, r) x (N, r) -> (M, N) in float32: LoRA's up-projection.
 
-    At a few rows (decoding) it is a sum over the rank in chunks of RANK_CHUNK, each a reduction
-    over the middle axis of an (M, chunk, N) product: XLA fuses those into whatever adds the term
-    to the base product, where a dot over r is a reduce kernel of its own (one more launch a
-    projection a token; benchmarks/results/JOURNAL.md). Each product is exact in float32; only
-    the order of the sum differs from the dot's."""
+    At a few rows (decoding) it is a sum of r rank-1 terms, xa[:, j] * b[:, j]: elementwise work
+    that XLA fuses into whatever adds it to the base product, where a dot of r terms is a reduce
+    kernel of its own (one more launch a projection a token; benchmarks/results/JOURNAL.md).
+    Each product is exact in float32; only the order of the sum differs from the dot's."""
     m, r = xa.shape
-    if m > RANK_TERMS_MAX_ROWS:
+    if m > RANK_TERMS_MAX_ROWS or r > RANK_TERMS_MAX_RANK:
         return dot_nt(xa, b)
     acc = acc_dtype(xa, b)
-    xa, bt = xa.astype(acc), b.astype(acc).T  # (M, r), (r, N)
-    out = None
-    for j in range(0, r, RANK_CHUNK):
-        part = jnp.sum(xa[:, j:j + RANK_CHUNK, None] * bt[None, j:j + RANK_CHUNK], axis=1)
-        out = part if out is None else out + part
+    xa, b = xa.astype(acc), b.astype(acc)
+    out = xa[:, 0:1] * b[:, 0]
+    for j in range(1, r):
+        out = out + xa[:, j:j + 1] * b[:, j]
     return out
 
 
