@@ -16,9 +16,7 @@ Variants: default (the library's settings: `decode_layers="auto"`); hoisted / sc
 sliced once before the decode loop, or by a scan on every token: `generate(decode_layers=...)`);
 apart (hoisted, each projection its own product: `generate(fuse_projections=False)`);
 lora / lora_apart (default / apart with a LoRA adapter attached: r = 16 on the 7 projections, its B
-random, what `jqlora generate --adapter` and the RL rollouts run); lora_dot (lora with the LoRA
-up-projection (x A^T) B^T as a dot, a reduce kernel of its own, where the library sums its rank-1
-terms at a few rows: `jqlora.ops.products.low_rank_up`);
+random, what `jqlora generate --adapter` and the RL rollouts run);
 einsum_attention / lora_einsum_attention (default / lora with the decoding steps' attention and
 norms on XLA instead of the `decode_attention` and `rms_norm` kernels: the model's backend "xla",
 which only those read); xla_norm (the defaults with the norms alone on XLA);
@@ -64,10 +62,6 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None, prompt_le
         from jqlora.ops import decode_norm
 
         decode_norm.norm_problem = lambda backend, shape: "decode_profile: xla_norm"
-    if variant.endswith("_dot"):  # LoRA's up-projection as a dot at any row count
-        from jqlora.ops import products
-
-        products.RANK_TERMS_MAX_ROWS = 0
     layers = {"hoisted": "hoisted", "scanned": "scanned", "apart": "hoisted"}.get(variant.removeprefix("lora_"), "auto")
     fuse = not variant.endswith("apart")
     gen = lambda n: models.generate(model, ids, n, decode_layers=layers, fuse_projections=fuse)  # noqa: E731

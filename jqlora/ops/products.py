@@ -40,29 +40,6 @@ def dot_nn(a, b):
                                preferred_element_type=acc_dtype(a, b))
 
 
-# At most this many rows (tokens being decoded) and this rank, `low_rank_up` sums rank-1 terms.
-RANK_TERMS_MAX_ROWS = 16
-RANK_TERMS_MAX_RANK = 128
-
-
-def low_rank_up(xa, b):
-    """xa @ b.T, (M, r) x (N, r) -> (M, N) in float32: LoRA's up-projection.
-
-    At a few rows (decoding) it is a sum of r rank-1 terms, xa[:, j] * b[:, j]: elementwise work
-    that XLA fuses into whatever adds it to the base product, where a dot of r terms is a reduce
-    kernel of its own (one more launch a projection a token; benchmarks/results/JOURNAL.md).
-    Each product is exact in float32; only the order of the sum differs from the dot's."""
-    m, r = xa.shape
-    if m > RANK_TERMS_MAX_ROWS or r > RANK_TERMS_MAX_RANK:
-        return dot_nt(xa, b)
-    acc = acc_dtype(xa, b)
-    xa, b = xa.astype(acc), b.astype(acc)
-    out = xa[:, 0:1] * b[:, 0]
-    for j in range(1, r):
-        out = out + xa[:, j:j + 1] * b[:, j]
-    return out
-
-
 def kernel_operands_4bit(q: Weight4bit):
     """Packed bytes as (N, K/2) and fp32 scales as (N, K/bs): free reshapes of bitsandbytes' layout."""
     n, k = q.shape

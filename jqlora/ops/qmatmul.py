@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import jqlora.ops.sharding as sharding
 from jqlora.ops.fp8 import FP8_MIN_ROWS, backward_fp8, check_fp8_weight, forward_fp8
 from jqlora.ops.dispatch import Plan, choose_plan
-from jqlora.ops.products import (acc_dtype, backward_product, dot_nn, dot_nt, forward_product, low_rank_up,
-                                 precision)
+from jqlora.ops.products import acc_dtype, backward_product, dot_nn, dot_nt, forward_product, precision
 from jqlora.quant import Int8Weight, Weight4bit
 
 NUMERICS = ("weight_only", "llm_int8", "fp8")
@@ -109,7 +108,7 @@ def _with_lora_fwd(st, scale, x, q, a, b):
     # writes and reads per layer (benchmarks/results/JOURNAL.md).
     base = _weight_forward(st, x, q)
     xa = dot_nt(x, a).astype(x.dtype)  # (M, r): the only LoRA activation kept for backward
-    y = base + (scale * low_rank_up(xa, b)).astype(st.out_dtype)
+    y = base + (scale * dot_nt(xa, b)).astype(st.out_dtype)
     return y, (x, q, a, b, xa)
 
 

@@ -7,11 +7,10 @@ try:  # public in newer jax; jax 0.10 keeps it private (print_saved_residuals is
     from jax.ad_checkpoint import saved_residuals
 except ImportError:
     from jax._src.ad_checkpoint import saved_residuals
-from hypothesis import given, settings, strategies as st
 from jax.test_util import check_grads
 
 from jqlora import ops, quant
-from jqlora.ops import BackendError, products
+from jqlora.ops import BackendError
 from pallas_kernels.reference.fourbit import denest_absmax_reference
 
 
@@ -274,43 +273,6 @@ def test_bf16_forward_and_backward_dots_take_bf16_operands(kind, with_lora):
     assert len(dots) >= (7 if with_lora else 2)  # forward and backward products
     wide = [d for d in dots if jnp.float32 in (d[0], d[1])]
     assert wide == [], f"float32 dot operands: {wide}"
-
-
-@settings(max_examples=12, deadline=None)
-@given(st.integers(1, 20), st.integers(1, 140), st.integers(1, 40), st.integers(0, 2**16))
-def test_low_rank_up_matches_float64_at_any_rows_and_rank(m, r, n, seed):
-    """LoRA's up-projection, xa @ B.T: a sum of rank-1 terms at a few rows, a dot otherwise;
-    both within float32 rounding of the float64 product."""
-    kx, kb = jax.random.split(jax.random.key(seed))
-    xa = jax.random.normal(kx, (m, r), jnp.float32).astype(jnp.bfloat16)
-    b = jax.random.normal(kb, (n, r), jnp.float32).astype(jnp.bfloat16)
-    out = products.low_rank_up(xa, b)
-    ref = np.asarray(xa, np.float64) @ np.asarray(b, np.float64).T
-    bound = r * np.finfo(np.float32).eps * (np.abs(np.asarray(xa, np.float64)) @ np.abs(np.asarray(b, np.float64)).T)
-    assert out.dtype == jnp.float32 and out.shape == (m, n)
-    assert np.all(np.abs(np.asarray(out, np.float64) - ref) <= bound + 1e-30)
-    dots = _dot_operand_dtypes(jax.make_jaxpr(products.low_rank_up)(xa, b))
-    elementwise = m <= products.RANK_TERMS_MAX_ROWS and r <= products.RANK_TERMS_MAX_RANK
-    assert len(dots) == (0 if elementwise else 1)
-
-
-@pytest.mark.parametrize("m, up_dots", [(1, 0), (products.RANK_TERMS_MAX_ROWS, 0), (products.RANK_TERMS_MAX_ROWS + 1, 1)])
-def test_decoding_lora_up_projection_is_no_dot(m, up_dots):
-    """At a few rows (one token a row when decoding) the LoRA forward runs x A^T as a dot and
-    (x A^T) B^T as elementwise terms, which XLA fuses into the add onto the base product; a dot
-    there is a reduce kernel of its own on a GPU, one launch more a projection a token."""
-    n, k = 96, 128
-    q = quant.quantize_4bit(jax.random.normal(jax.random.key(0), (n, k), jnp.float32) * 0.05, "nf4", 64, True)
-    a, b = _lora(n, k, 16)
-    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-    f = lambda x: ops.qmatmul(x, q, lora=(a, b, 0.5), backend="xla")  # noqa: E731
-    dots = _dot_operand_dtypes(jax.make_jaxpr(f)(x))
-    assert len(dots) == 2 + up_dots  # the base product and x A^T, then (x A^T) B^T only from more rows
-    xa = jnp.dot(x, a.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-    term = (0.5 * jnp.dot(xa, b.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32,
-                          precision="highest")).astype(jnp.bfloat16)
-    want = ops.qmatmul(x, q, backend="xla") + term
-    np.testing.assert_allclose(np.asarray(f(x), np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
 
 
 def test_dense_weight_gradient_matches_float64():
