@@ -1,7 +1,9 @@
 """Which implementation runs the residual adds and RMSNorms of a decoding step (one new token a row).
 
-- `backend="auto"` (the models' default): the `rms_norm` kernel on a GPU where it takes the width
-  and no mesh splits the rows; elsewhere XLA.
+- `backend="auto"` (the models' default): the `rms_norm` kernel on a GPU for widths that are a
+  power of two (Llama's, Qwen's) where no mesh splits the rows; elsewhere XLA. Gemma's widths
+  (640, 1152, 2304, 2560, 3840, 5376) the kernel takes in 5 to 21 pieces, and there it measured
+  1.2-3.4x slower than XLA's norm (docs/kernels.md).
 - `"pallas"`: the kernel wherever it takes the width; `"interpret"`: the same in Pallas interpret
   mode (the CPU tests); `"xla"`: XLA. As for the decode attention (`jqlora.ops.cached_attention`),
   a width the kernel does not take falls back to XLA, which computes the same.
@@ -32,6 +34,8 @@ def norm_problem(backend: str, shape: tuple) -> Optional[str]:
         return f"{t} new tokens (the kernel takes decoding rows, one token a row)"
     if not supports(b, n):
         return f"width {n} (the kernel takes up to 16384 in power-of-two pieces of at least 64)"
+    if backend == "auto" and n & (n - 1):
+        return f"width {n} is not a power of two (in pieces the kernel is slower than XLA's norm)"
     if product_mesh(b) is not None:
         return "a mesh splits the rows"
     return None

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jqlora.models.llama import RMSNorm
-from jqlora.ops import decode_norm
+from jqlora.ops import decode_norm, dispatch
 from pallas_kernels import registry
 from pallas_kernels.reference.norm import rms_norm_reference
 from pallas_kernels.triton.rms_norm import rms_norm, row_chunk, supports
@@ -105,7 +105,7 @@ def test_registered_and_lowers_for_triton(lower_for_triton):
         lower_for_triton(f"rms_norm {m}x{n}", fn, sd((m, n), jnp.bfloat16), delta, sd((n,), jnp.bfloat16))
 
 
-def test_which_path_runs():
+def test_which_path_runs(monkeypatch):
     assert decode_norm.norm_problem("xla", (1, 1, 2048)) is not None
     assert decode_norm.norm_problem("interpret", (1, 1, 2048)) is None
     assert "new tokens" in decode_norm.norm_problem("interpret", (1, 7, 2048))
@@ -114,3 +114,9 @@ def test_which_path_runs():
         assert decode_norm.norm_problem("auto", (1, 1, 2048)) == "not on a GPU"
     with pytest.raises(ValueError, match="unknown backend"):
         decode_norm.norm_problem("triton", (1, 1, 2048))
+    # on a GPU by default: powers of two only (Gemma's widths come in pieces, slower than XLA)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    assert [decode_norm.norm_problem("auto", (1, 1, n)) for n in (2048, 4096, 8192)] == [None] * 3
+    for n in (640, 1152, 2304, 2560, 3840, 5376):
+        assert "not a power of two" in decode_norm.norm_problem("auto", (1, 1, n))
+        assert decode_norm.norm_problem("pallas", (1, 1, n)) is None  # forced: the kernel takes it
