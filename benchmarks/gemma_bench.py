@@ -46,13 +46,24 @@ GEMMA3_12B = dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=
 TINY = dict(GEMMA3_12B, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, vocab_size=256, sliding_window=16, query_pre_attn_scalar=32,
             max_position_embeddings=4096)
+# The text config of google/gemma-3-1b-pt / -it (its config.json: 26 layers, hidden 1152, MLP 6912,
+# 4 heads / 1 KV head of 256, window 512, no RoPE scaling, theta 1e6 global / 1e4 local, 32,768
+# positions, vocab 262,144): the decode benchmark's Gemma (`benchmarks.profile.decode_profile --shape
+# gemma3-1b`), whose width is not a power of two.
+GEMMA3_1B = dict(GEMMA3_12B, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                 num_key_value_heads=1, vocab_size=262144, sliding_window=512, max_position_embeddings=32768,
+                 rope_scaling=None)
+SHAPES = {"12b": GEMMA3_12B, "1b": GEMMA3_1B, "tiny": TINY}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
 
 
-def config(tiny: bool, layers: int | None = None, layer_kind: str | None = None) -> dict:
-    """The model's config.json dict; layer_kind "sliding" / "full" makes every layer that kind."""
-    c = dict(TINY if tiny else GEMMA3_12B)
+def config(tiny: bool, layers: int | None = None, layer_kind: str | None = None, shape: str = "12b") -> dict:
+    """The model's config.json dict (`shape` one of SHAPES; tiny: the tiny one); layer_kind
+    "sliding" / "full" makes every layer that kind."""
+    c = dict(TINY if tiny else SHAPES[shape])
+    if c.get("rope_scaling", 0) is None:
+        del c["rope_scaling"]
     if layers is not None:
         c["num_hidden_layers"] = layers
     n = c["num_hidden_layers"]
@@ -89,6 +100,20 @@ def _params_jax(c: dict, tiny: bool) -> dict:
         p[f"{pre}.self_attn.q_norm.weight"] = norm(d)
         p[f"{pre}.self_attn.k_norm.weight"] = norm(d)
     return jax.block_until_ready(p)
+
+
+def decode_model(c: dict, tiny: bool, lora: bool):
+    """A random NF4 model of config `c` for generation (no remat), with LoRA r = 16 on every
+    projection when `lora` (B zero, as a fresh adapter's)."""
+    import jax.numpy as jnp
+
+    from jqlora import lora as jl, models
+    from jqlora._util import resolve_attention
+
+    dtype = "float32" if tiny else "bfloat16"
+    return models.from_params(_params_jax(c, tiny), c, compute_dtype=jnp.dtype(dtype), remat=False,
+                              attention=resolve_attention("auto", dtype)[0], donate_params=True,
+                              lora=jl.LoraConfig(rank=RANK, alpha=ALPHA, target_modules=TARGETS) if lora else None)
 
 
 def _peak_gib() -> float:

@@ -157,6 +157,7 @@ case "${1:-tests}" in
     (timeout 200 $dp --shape 1b --variants default,xla_norm,einsum_attention,lora
      timeout 150 $dp --shape 8b --variants default,xla_norm
      timeout 150 $dp --shape 8b --prompt 2048 --variants default,einsum_attention
+     timeout 150 $dp --shape gemma3-1b --variants default,kernel_norm
      ) > "$OUT/decode.log" 2>&1
     grep -v "^    " "$OUT/decode.log" | cut -c1-240 ;;
   surogate)

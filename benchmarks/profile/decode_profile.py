@@ -4,7 +4,8 @@
         [--variants hoisted,scanned,cmdbuf]
 
 Each variant runs in its own process (XLA flags are read once per process) on a random-weight NF4
-model of `benchmarks.train_bench`'s shape without LoRA (what `jqlora generate` runs without an
+model of `benchmarks.train_bench`'s shape (`--shape gemma3-1b` / `gemma3-12b`: `benchmarks.gemma_bench`'s
+Gemma 3) without LoRA (what `jqlora generate` runs without an
 adapter), bf16, remat off. Per variant: generation of 1 and of `--tokens` new tokens, each timed on
 its second call; decode tokens/s = (tokens - 1) / (time(tokens) - time(1)); then one traced call
 of `--tokens` tokens: GPU kernel time per token by category (`train_profile.categorize`) against
@@ -19,7 +20,9 @@ lora / lora_apart (default / apart with a LoRA adapter attached: r = 16 on the 7
 random, what `jqlora generate --adapter` and the RL rollouts run);
 einsum_attention / lora_einsum_attention (default / lora with the decoding steps' attention and
 norms on XLA instead of the `decode_attention` and `rms_norm` kernels: the model's backend "xla",
-which only those read); xla_norm (the defaults with the norms alone on XLA);
+which only those read); xla_norm (the defaults with the norms alone on XLA); kernel_norm (the
+norms in the `rms_norm` kernel at every width it takes: under the defaults a width that is not a
+power of two, Gemma's, runs on XLA);
 cmdbuf (the defaults with XLA command buffers, i.e. CUDA graphs, for while loops and conditionals
 too: `--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`).
 Writes $OUT/decode_profile_<shape>.json (one record per variant) and prints a table.
@@ -53,7 +56,14 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None, prompt_le
     t0 = time.perf_counter()
     ids = np.asarray([[5 + (7 * i) % 26 for i in range(prompt_len)]], np.int32)
     lora = variant.startswith("lora")
-    model, _, _ = build_jax(shape, 2048, "auto", "cudnn", layers=n_layers, remat=False, lora=lora)
+    if shape.startswith("gemma3-"):  # gemma3-1b, gemma3-12b, gemma3-tiny (CPU)
+        from benchmarks import gemma_bench
+
+        size = shape.removeprefix("gemma3-")
+        model = gemma_bench.decode_model(gemma_bench.config(size == "tiny", n_layers, shape=size),
+                                         size == "tiny", lora)
+    else:
+        model, _, _ = build_jax(shape, 2048, "auto", "cudnn", layers=n_layers, remat=False, lora=lora)
     if lora:
         randomize_lora_b(model)
     if variant.endswith("einsum_attention"):
@@ -62,6 +72,11 @@ def child(shape: str, tokens: int, variant: str, n_layers: int | None, prompt_le
         from jqlora.ops import decode_norm
 
         decode_norm.norm_problem = lambda backend, shape: "decode_profile: xla_norm"
+    if variant.endswith("kernel_norm"):  # the norm kernel at every width it takes, powers of two or not
+        from jqlora.ops import decode_norm
+
+        rule = decode_norm.norm_problem
+        decode_norm.norm_problem = lambda backend, shape: rule("pallas" if backend == "auto" else backend, shape)
     layers = {"hoisted": "hoisted", "scanned": "scanned", "apart": "hoisted"}.get(variant.removeprefix("lora_"), "auto")
     fuse = not variant.endswith("apart")
     gen = lambda n: models.generate(model, ids, n, decode_layers=layers, fuse_projections=fuse)  # noqa: E731

@@ -38,6 +38,27 @@ def test_transformers_reads_the_shape_as_the_12b_conversion_writes_it():
     assert {k: getattr(got, k) for k in keys} == {k: getattr(ref, k) for k in keys}
 
 
+def test_the_1b_shape_is_gemma3_1b():
+    """The decode benchmark's Gemma 3 1B (width 1152, not a power of two), as transformers reads it
+    and as jqlora does: the published text config's fields, 5 sliding (512) : 1 global layers."""
+    transformers = pytest.importorskip("transformers")
+    c = gemma_bench.config(tiny=False, shape="1b")
+    ref = transformers.Gemma3TextConfig(
+        vocab_size=262_144, hidden_size=1152, intermediate_size=6912, num_attention_heads=4, head_dim=256,
+        num_hidden_layers=26, num_key_value_heads=1, sliding_window=512, max_position_embeddings=32_768,
+        rope_theta=1_000_000, rope_local_base_freq=10_000, attn_logit_softcapping=None, query_pre_attn_scalar=256)
+    got = transformers.AutoConfig.for_model(**c)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters", "sliding_window",
+            "layer_types", "query_pre_attn_scalar", "final_logit_softcapping", "tie_word_embeddings")
+    assert {k: getattr(got, k) for k in keys} == {k: getattr(ref, k) for k in keys}
+    from jqlora.models import ModelConfig
+
+    mc = ModelConfig.from_hf(c)
+    assert mc.sliding_windows.count(512) == 22 and mc.sliding_windows.count(None) == 4
+    assert (mc.hidden_size, mc.head_dim, mc.rope_type) == (1152, 256, "default")
+
+
 @pytest.mark.torch
 def test_tiny_steps_of_both_sides():
     pytest.importorskip("peft")
