@@ -65,7 +65,8 @@ case "${1:-tests}" in
     timeout 280 python3 -m benchmarks.train_bench --side jax --attention cudnn --shape "$shape" --steps 5 | tee -a "$OUT/train_$shape.jsonl"
     timeout 300 python3 -m benchmarks.train_bench --side torch --shape "$shape" --steps 5 | tee -a "$OUT/train_$shape.jsonl" ;;
   step-table)
-    # the 8B step (NF4, bf16 weights, torch) at 2048 and 4096 tokens and decode at 8B and 1B: about 350 s on an H200
+    # the 8B step (NF4, bf16 weights, torch) at 2048 and 4096 tokens and decode at 8B and 1B: about 350 s on an H200;
+    # then Surogate's configuration (about 40 s a weight format); what does not fit, a second call adds with --into
     timeout 590 python3 -m benchmarks.step_table --budget-s 575 --out "$OUT" 2>&1 | tee "$OUT/step_table.log" | tail -30 ;;
   product)
     # every part has its own time limit inside a 560 s budget; what does not fit is recorded as skipped

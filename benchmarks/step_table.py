@@ -4,7 +4,7 @@ at batch 1, on one GPU, against the targets for that GPU:
 
     python -m benchmarks.step_table                       # 8B shape, 1 x 2048 and 1 x 4096, decode 8B and 1B
     python -m benchmarks.step_table --into FILE.json      # run the parts FILE lacks, write the merged table
-    python -m benchmarks.step_table --shape tiny --seqs 64 --parts nf4,bf16 --decode none --out /tmp/x  # CPU smoke
+    python -m benchmarks.step_table --shape tiny --seqs 64 --parts nf4,bf16 --decode none --surogate none --out /tmp/x  # CPU smoke
 
 Every part runs in its own process (peak memory is per process), in priority order, within
 --budget-s; what does not fit is recorded as skipped, and `--into` fills it in from a later call
@@ -13,7 +13,9 @@ Training: `benchmarks.train_bench` with `--remat auto --attention cudnn` (what `
 chooses on a GPU; einsum attention on a machine without one), batch 1, LoRA r=16 on all seven projections, random weights; tokens/s is the
 pipelined loop (one step in flight, as `jqlora train` runs) and, beside it, the loop that reads
 each loss before the next step. Decode: `benchmarks.profile.decode_profile`'s `default` variant
-(the library's settings), random NF4, no LoRA, 256 new tokens.
+(the library's settings), random NF4, no LoRA, 256 new tokens. Last, Surogate's published
+configuration (`--surogate`, NF4 and bf16 weights): the Qwen3-8B shape, 2 rows of 2,048 tokens with
+4 documents packed in each, an optimizer update every step (Surogate accumulates 4 micro-steps).
 
 Writes <out>/<device>-<date>_step_table.json and .md (device, date, commit, versions, command).
 """
@@ -33,6 +35,9 @@ from benchmarks.product_bench import (RESULTS_DIR, gpu_name, measured_commit, pa
 # tokens/s targets of the training step and of decode, per GPU (matched on the device name)
 TRAIN_TARGETS = {"H200": {2048: 15_000, 4096: 15_000}, "H100": {2048: 13_000, 4096: 13_000}}
 DECODE_TARGETS = {"H200": {"8b": 450, "1b": 1_500}, "H100": {"8b": 300}}
+SUROGATE_TARGETS = {"H100": 11_600}  # Surogate's own FP8 step on one H100
+# Surogate's configuration: train_bench arguments after --side/--weights
+SUROGATE = ["--shape", "qwen3-8b", "--rows", "2", "--packed", "--docs", "4", "--seq", "2048"]
 SIDES = {"nf4": ["--side", "jax", "--weights", "nf4"], "bf16": ["--side", "jax", "--weights", "bf16"],
          "torch": ["--side", "torch"]}
 SIDE_LABELS = {"nf4": "jqlora NF4", "bf16": "jqlora bf16 weights", "torch": "transformers + PEFT + bitsandbytes NF4"}
@@ -40,12 +45,13 @@ LIMITS = {"train": 240, "decode": 200}  # seconds a part may take (the remaining
 DECODE_TOKENS = 256
 
 
-def part_names(sides: list[str], seqs: list[int], decode: list[str]) -> list[str]:
+def part_names(sides: list[str], seqs: list[int], decode: list[str], surogate=()) -> list[str]:
     """The parts in the order they run: every side at the first length, then decode, then the other
-    lengths (the headline cells first, so a short budget drops the least important ones)."""
+    lengths, then Surogate's configuration (the headline cells first, so a short budget drops the
+    least important ones)."""
     first = [f"{s}:{seqs[0]}" for s in sides] if seqs else []
     rest = [f"{s}:{t}" for t in seqs[1:] for s in sides]
-    return first + [f"decode:{d}" for d in decode] + rest
+    return first + [f"decode:{d}" for d in decode] + rest + [f"surogate:{w}" for w in surogate]
 
 
 def target_for(table: dict, device: str):
@@ -74,6 +80,9 @@ def part_command(name: str, shape: str, steps: int, attention: str = "cudnn") ->
     if kind == "decode":
         return [py, "-m", "benchmarks.profile.decode_profile", "--shape", arg, "--tokens", str(DECODE_TOKENS),
                 "--child", "default"]
+    if kind == "surogate":
+        return [py, "-m", "benchmarks.train_bench", *SIDES[arg], *SUROGATE, "--steps", str(steps),
+                "--remat", "auto", "--attention", attention]
     return [py, "-m", "benchmarks.train_bench", *SIDES[kind], "--shape", shape, "--seq", arg, "--steps", str(steps),
             "--remat", "auto", "--attention", attention]
 
@@ -99,7 +108,7 @@ def read_part(name: str, rec: dict) -> dict:
 
 
 def run(shape: str, seqs: list[int], sides: list[str], decode: list[str], steps: int, budget_s: float,
-        out_dir: str, into: dict | None = None, log=print) -> dict:
+        out_dir: str, into: dict | None = None, log=print, surogate=()) -> dict:
     t_start = time.perf_counter()
     device = gpu_name()
     res = into or {"benchmark": "step_table", "shape": shape, "device": device, "parts": []}
@@ -114,7 +123,7 @@ def run(shape: str, seqs: list[int], sides: list[str], decode: list[str], steps:
     have = {p["part"] for p in res["parts"] if p["status"] == "ok"}
     res["parts"] = [p for p in res["parts"] if p["part"] in have]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for name in part_names(sides, seqs, decode):
+    for name in part_names(sides, seqs, decode, surogate):
         if name in have:
             continue
         left = budget_s - (time.perf_counter() - t_start)
@@ -159,7 +168,7 @@ def markdown(res: dict) -> str:
     lines += ["", "## Training step, tokens/s (pipelined; each loss read before the next step in brackets)", "",
              "| seq | jqlora NF4 | peak GiB | jqlora bf16 weights | peak GiB | NF4 / bf16 | torch QLoRA | peak GiB "
              "| jqlora NF4 / torch | target | met |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    seqs = sorted({int(n.split(":")[1]) for n in parts if not n.startswith("decode")})
+    seqs = sorted({int(n.split(":")[1]) for n in parts if n.split(":")[0] in SIDES})
     for t in seqs:
         n, b, tq = ok(f"nf4:{t}"), ok(f"bf16:{t}"), ok(f"torch:{t}")
         g = lambda r, k: None if r is None else r.get(k)  # noqa: E731
@@ -183,6 +192,21 @@ def markdown(res: dict) -> str:
             lines.append(f"| {shape} | {_num(tps, 1)} | {_num(None if r is None else r.get('gpu_us_per_token'), 1)} | "
                          f"{_num(None if r is None else r.get('wall_us_per_token_traced'), 1)} | "
                          f"{_num(None if r is None else r.get('kernels_per_token'), 1)} | {_num(target)} | {met} |")
+    sur = [n for n in parts if n.startswith("surogate:")]
+    if sur:
+        target = target_for(SUROGATE_TARGETS, res["device"])
+        lines += ["", "## Surogate's configuration: Qwen3-8B shape, 2 x 2,048 tokens, 4 documents packed a row, "
+                  "tokens/s (pipelined; each loss read before the next step in brackets)", "",
+                  "| weights | tokens/s | peak GiB | NF4 / bf16 | target | met |", "|---|---|---|---|---|---|"]
+        bf16 = (ok("surogate:bf16") or {}).get("pipelined_tokens_per_s")
+        for name in sur:
+            r = ok(name)
+            tps = None if r is None else r.get("pipelined_tokens_per_s")
+            nf4 = name == "surogate:nf4"
+            met = "-" if target is None or tps is None or not nf4 else ("yes" if tps >= target else "no")
+            cell = "-" if r is None else f"{_num(tps)} ({_num(r.get('tokens_per_s'))})"
+            lines.append(f"| {name.split(':')[1]} | {cell} | {_num(None if r is None else r.get('peak_gib'), 1)} | "
+                         f"{_ratio(tps, bf16) if nf4 else '-'} | {_num(target) if nf4 else '-'} | {met} |")
     missing = [f"{p['part']} ({p['status']})" for p in res["parts"] if p["status"] != "ok"]
     if missing:
         lines += ["", "Not measured: " + "; ".join(missing) + "."]
@@ -205,20 +229,22 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", default="2048,4096", help="sequence lengths of the training step")
     p.add_argument("--parts", default="nf4,bf16,torch", help=f"training sides: {', '.join(SIDES)}")
     p.add_argument("--decode", default="8b,1b", help="decode shapes ('none': no decode)")
+    p.add_argument("--surogate", default="nf4,bf16", help="weights of Surogate's configuration ('none': not run)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per loop")
     p.add_argument("--budget-s", type=float, default=570.0, help="time for everything; parts that do not fit are skipped")
     p.add_argument("--into", default=None, help="an earlier step_table .json: run only the parts it lacks, then merge")
     p.add_argument("--out", default=RESULTS_DIR, help="where the .json and .md go")
     a = p.parse_args(argv)
-    sides = _csv(a.parts)
-    unknown = [s for s in sides if s not in SIDES]
+    sides, surogate = _csv(a.parts), _csv(a.surogate)
+    unknown = [s for s in sides if s not in SIDES] + [w for w in surogate if w not in ("nf4", "bf16")]
     if unknown:
-        p.error(f"unknown --parts {unknown}; choose from {', '.join(SIDES)}")
+        p.error(f"unknown --parts / --surogate {unknown}; choose from {', '.join(SIDES)} / nf4, bf16")
     into = None
     if a.into:
         with open(a.into) as f:
             into = json.load(f)
-    res = run(a.shape, [int(s) for s in _csv(a.seqs)], sides, _csv(a.decode), a.steps, a.budget_s, a.out, into)
+    res = run(a.shape, [int(s) for s in _csv(a.seqs)], sides, _csv(a.decode), a.steps, a.budget_s, a.out, into,
+              surogate=surogate)
     return 0 if all(r["status"] == "ok" for r in res["parts"]) else 1
 
 

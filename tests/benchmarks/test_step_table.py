@@ -95,3 +95,28 @@ def test_unknown_target_device_shows_no_verdict():
         {"part": "nf4:2048", "status": "ok", "tokens_per_s": 1.0, "pipelined_tokens_per_s": 2.0, "peak_gib": 1.0}]}
     row = next(ln for ln in st.markdown(res).splitlines() if ln.startswith("| 2048 |"))
     assert row.rstrip().endswith("| - | - |")
+
+
+def test_surogate_configuration_runs_last_and_has_its_own_table(monkeypatch, tmp_path):
+    """Surogate's configuration (Qwen3-8B shape, 2 packed rows of 2,048 tokens): after every other
+    part, the train_bench command with its arguments, and a table with NF4 / bf16 and the H100 target."""
+    names = st.part_names(["nf4"], [2048], ["8b"], ["nf4", "bf16"])
+    assert names == ["nf4:2048", "decode:8b", "surogate:nf4", "surogate:bf16"]
+    cmd = st.part_command("surogate:nf4", "8b", 5)
+    joined = " ".join(cmd)
+    assert cmd[1:3] == ["-m", "benchmarks.train_bench"] and cmd[-2:] == ["--attention", "cudnn"]
+    assert "--weights nf4" in joined and "--shape qwen3-8b --rows 2 --packed --docs 4 --seq 2048" in joined
+    monkeypatch.setattr(st, "gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(st, "measured_commit", lambda: "abc1234")
+    monkeypatch.setattr(st, "package_versions", lambda: {"jax": "0.0"})
+    lines = {"surogate:nf4": _train_line(11_900.0, 12_100.0, 41.5), "surogate:bf16": _train_line(10_900.0, 11_000.0, 51.1)}
+    calls = []
+    monkeypatch.setattr(st, "run_part", _fake_runner(lines, calls))
+    res = st.run("8b", [], [], [], 5, 10_000, str(tmp_path), surogate=["nf4", "bf16"])
+    assert [c[0] for c in calls] == ["surogate:nf4", "surogate:bf16"]
+    md = st.markdown(res)
+    nf4 = [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith("| nf4 |")).strip("|").split("|")]
+    assert nf4 == ["nf4", "12,100 (11,900)", "41.5", "1.10", "11,600", "yes"]
+    bf16 = next(ln for ln in md.splitlines() if ln.startswith("| bf16 |"))
+    assert bf16.rstrip().endswith("| - | - | - |")
+    assert "| 2048 |" not in md  # no training-step rows without those parts
