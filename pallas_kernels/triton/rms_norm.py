@@ -10,8 +10,8 @@ normalises and scales: one launch of 1.6-1.9 us.
 Layout: program i takes row i whole, in power-of-two pieces (`row_chunk`: Gemma's widths are not
 powers of two): the residual, the delta and the weight; it stores the new residual and the
 normalised row. In 5 or more pieces it is slower than XLA's norm, so `jqlora.ops.decode_norm`
-chooses it by default for powers of two only. The delta is one (M, N) array in x's dtype, or a product's S float32 K-split
-partials (S, M, N), summed here; the decoder layers hand over the product's output whole
+chooses it by default for powers of two only. The delta is one (M, N) array in x's dtype, or a
+product's S float32 K-split partials (S, M, N), summed here; the decoder layers hand over the product's output whole
 (summing o_proj's partials in this kernel measured slower, docs/kernels.md). Numerics: "rms_norm"
 (`pallas_kernels.reference.norm`): the oracle's roundings, its float32 sums in another order.
 """
@@ -55,7 +55,7 @@ def _kernel(*refs, chunk: int, splits: int, eps: float, kind: str, has_delta: bo
             xs[j] = (xs[j].astype(jnp.float32) + delta.astype(jnp.float32)).astype(xs[j].dtype)
             r_ref[row, c] = xs[j]
     # the pieces' squares summed elementwise, then one reduction: a reduction per piece is a
-    # block-wide sum each (nine of them at Gemma 3 1B's 1152 = 9 x 128 took 3.7 us, docs/kernels.md)
+    # block-wide sum each (nine of them at Gemma 3 1B's 1152 = 9 x 128: 3.6 us, docs/kernels.md)
     squares = xs[0].astype(jnp.float32) * xs[0].astype(jnp.float32)
     for x in xs[1:]:
         squares = squares + x.astype(jnp.float32) * x.astype(jnp.float32)
