@@ -50,9 +50,9 @@ TINY = dict(GEMMA3_12B, hidden_size=64, intermediate_size=128, num_hidden_layers
 # 4 heads / 1 KV head of 256, window 512, no RoPE scaling, theta 1e6 global / 1e4 local, 32,768
 # positions, vocab 262,144): the decode benchmark's Gemma (`benchmarks.profile.decode_profile --shape
 # gemma3-1b`), whose width is not a power of two.
-GEMMA3_1B = dict(GEMMA3_12B, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-                 num_key_value_heads=1, vocab_size=262144, sliding_window=512, max_position_embeddings=32768,
-                 rope_scaling=None)
+GEMMA3_1B = dict({k: v for k, v in GEMMA3_12B.items() if k != "rope_scaling"}, hidden_size=1152,
+                 intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                 vocab_size=262144, sliding_window=512, max_position_embeddings=32768)
 SHAPES = {"12b": GEMMA3_12B, "1b": GEMMA3_1B, "tiny": TINY}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
@@ -62,8 +62,6 @@ def config(tiny: bool, layers: int | None = None, layer_kind: str | None = None,
     """The model's config.json dict (`shape` one of SHAPES; tiny: the tiny one); layer_kind
     "sliding" / "full" makes every layer that kind."""
     c = dict(TINY if tiny else SHAPES[shape])
-    if c.get("rope_scaling", 0) is None:
-        del c["rope_scaling"]
     if layers is not None:
         c["num_hidden_layers"] = layers
     n = c["num_hidden_layers"]

@@ -80,11 +80,9 @@ def part_command(name: str, shape: str, steps: int, attention: str = "cudnn") ->
     if kind == "decode":
         return [py, "-m", "benchmarks.profile.decode_profile", "--shape", arg, "--tokens", str(DECODE_TOKENS),
                 "--child", "default"]
-    if kind == "surogate":
-        return [py, "-m", "benchmarks.train_bench", *SIDES[arg], *SUROGATE, "--steps", str(steps),
-                "--remat", "auto", "--attention", attention]
-    return [py, "-m", "benchmarks.train_bench", *SIDES[kind], "--shape", shape, "--seq", arg, "--steps", str(steps),
-            "--remat", "auto", "--attention", attention]
+    model = [*SIDES[arg], *SUROGATE] if kind == "surogate" else [*SIDES[kind], "--shape", shape, "--seq", arg]
+    return [py, "-m", "benchmarks.train_bench", *model, "--steps", str(steps), "--remat", "auto",
+            "--attention", attention]
 
 
 def read_part(name: str, rec: dict) -> dict:

@@ -11,8 +11,8 @@ Layout: program i takes row i whole, in power-of-two pieces (`row_chunk`: Gemma'
 powers of two): the residual, the delta and the weight; it stores the new residual and the
 normalised row. In 5 or more pieces it is slower than XLA's norm, so `jqlora.ops.decode_norm`
 chooses it by default for powers of two only. The delta is one (M, N) array in x's dtype, or a
-product's S float32 K-split partials (S, M, N), summed here; the decoder layers hand over the product's output whole
-(summing o_proj's partials in this kernel measured slower, docs/kernels.md). Numerics: "rms_norm"
+product's S float32 K-split partials (S, M, N), summed here; the decoder layers hand over the
+product's output whole (summing o_proj's partials in this kernel measured slower, docs/kernels.md). Numerics: "rms_norm"
 (`pallas_kernels.reference.norm`): the oracle's roundings, its float32 sums in another order.
 """
 from __future__ import annotations
