@@ -33,6 +33,11 @@
 #   bash benchmarks/gpu_session.sh surogate  # Surogate's published configuration on a Qwen3-8B shape:
 #                                            # 2 x 2,048 tokens packed, LoRA r=16 alpha 32 on 7 projections;
 #                                            # NF4 and bf16 weights (~3 min)
+#   bash benchmarks/gpu_session.sh table-x4  # 4 GPUs, one job each: the step table (GPU 0), the product
+#                                            # path 1B (GPU 1) and 8B without torch (GPU 2), the compiled
+#                                            # decoding tests and Gemma 3 1B decode (GPU 3) (~10 min)
+#   bash benchmarks/gpu_session.sh check-x4  # 4 GPUs: 70B fsdp=4 at 4 x 2,048, then the compiled kernel
+#                                            # suite of `tests` split over the 4 GPUs (~8 min)
 # Carry `.whl` (bitsandbytes and flatbuffers wheels, see docs/benchmarks.md). Results land in $OUT.
 set -u
 OUT=${OUT:-/tmp/jqlora-out}
@@ -168,6 +173,39 @@ case "${1:-tests}" in
      timeout 120 $tb --weights bf16
      ) > "$OUT/surogate.jsonl" 2> "$OUT/surogate.log"
     grep -v "^  " "$OUT/surogate.log" | tail -6; cat "$OUT/surogate.jsonl" ;;
+  table-x4)
+    # four independent jobs on disjoint GPUs of one machine, each with its own time limit
+    (CUDA_VISIBLE_DEVICES=0 timeout 590 python3 -m benchmarks.step_table --budget-s 575 --out "$OUT" \
+       > "$OUT/step_table.log" 2>&1) &
+    (CUDA_VISIBLE_DEVICES=1 timeout 580 python3 -m benchmarks.product_bench --shape 1b --budget-s 560 --out "$OUT" \
+       --workdir /tmp > "$OUT/product_1b.log" 2>&1) &
+    (CUDA_VISIBLE_DEVICES=2 timeout 590 python3 -m benchmarks.product_bench --shape 8b --budget-s 575 --out "$OUT" \
+       --workdir /tmp --skip torch_train,torch_generate > "$OUT/product_8b.log" 2>&1) &
+    (export CUDA_VISIBLE_DEVICES=3
+     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rf \
+       tests/kernels/test_decode_attention.py tests/kernels/test_rms_norm.py tests/models/test_decode_layers.py \
+       tests/models/test_rollout.py tests/models/test_gemma.py tests/models/test_moe.py \
+       -k "generat or decode or rollout or greedy or rms" > "$OUT/gpu_decode_tests.log" 2>&1
+     OUT=$OUT timeout 200 python3 -m benchmarks.profile.decode_profile --tokens 256 --timeout-s 95 \
+       --shape gemma3-1b --variants default,kernel_norm > "$OUT/decode_gemma.log" 2>&1) &
+    wait
+    for f in step_table product_1b product_8b decode_gemma; do echo "== $f"; grep -v "^    " "$OUT/$f.log" | tail -14 | cut -c1-240; done
+    echo "== decode tests"; tail -6 "$OUT/gpu_decode_tests.log" ;;
+  check-x4)
+    # 70B on all four GPUs, then the compiled kernel suite of `tests` in four parts, one a GPU
+    JAX_LOG_LEVEL=info timeout 220 python3 -m benchmarks.train_bench --side jax --attention cudnn --shape 70b \
+      --remat auto --mesh fsdp=4 --steps 3 > "$OUT/scale_70b.jsonl" 2> "$OUT/scale_70b.log"
+    grep -v "^  " "$OUT/scale_70b.log" | tail -4; cat "$OUT/scale_70b.jsonl"
+    k=tests/kernels
+    parts=("tests/ops/test_ops.py $k/test_variants.py tests/ops/test_dispatch.py"
+           "$k/test_kernels_4bit.py $k/test_kernels_4bit_decoded_dot.py $k/test_kernels_int8.py"
+           "$k/test_kernels_4bit_mgpu.py $k/test_kernels_4bit_mgpu_gemv.py $k/test_kernels_4bit_mgpu_mma.py"
+           "$k/test_decode_attention.py $k/test_rms_norm.py tests/models/test_models.py")
+    for i in 0 1 2 3; do
+      (CUDA_VISIBLE_DEVICES=$i XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 340 python3 -m pytest -q \
+         -p no:cacheprovider -n 4 --tb=short -rf ${parts[$i]} > "$OUT/gpu_tests_$i.log" 2>&1) &
+    done
+    wait; for i in 0 1 2 3; do tail -3 "$OUT/gpu_tests_$i.log"; done ;;
   moe-2gpu)
     # a one-GPU baseline and the two meshes, one machine, one call
     mb="python3 -m benchmarks.moe_bench --side jax --steps 3 --optimizer adamw8bit --out $OUT"

@@ -235,6 +235,9 @@ def test_product_bench_reads_the_cli_outputs(tmp_path):
         for step, rate in enumerate([5.0, 50.0, 100.0, 300.0, 200.0], start=1):
             w.writerow([step, 1.0, 1e-4, rate])
     assert pb._steady(path) == 200.0
+    # the 8B checkpoint part gets its own, longer limit; every other part keeps the shared one
+    assert pb.part_limit("checkpoint", "8b") > pb.part_limit("checkpoint", "1b") == pb.LIMITS["checkpoint"]
+    assert pb.part_limit("train", "8b") == pb.LIMITS["train"]
 
 
 def test_product_bench_budget_skips_and_still_writes(tmp_path):
