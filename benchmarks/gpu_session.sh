@@ -29,13 +29,14 @@
 #                                            # family's generation tests), the norm kernel's num_warps against
 #                                            # XLA's norm (decode_norm_bench), then decode 1B/8B: the defaults vs
 #                                            # XLA's norms and vs the einsum path; with an adapter; and 8B after
-#                                            # a 2,048-token prompt (~9 min)
+#                                            # a 2,048-token prompt (~9 min); Gemma 3 1B decode is in check-x4
+#                                            # (its programs take 50-85 s to compile)
 #   bash benchmarks/gpu_session.sh surogate  # Surogate's published configuration on a Qwen3-8B shape:
 #                                            # 2 x 2,048 tokens packed, LoRA r=16 alpha 32 on 7 projections;
 #                                            # NF4 and bf16 weights (~3 min)
 #   bash benchmarks/gpu_session.sh table-x4  # 4 GPUs, one job each: the step table (GPU 0), the product
 #                                            # path 1B (GPU 1) and 8B without torch (GPU 2), the compiled
-#                                            # decoding tests and Gemma 3 1B decode (GPU 3) (~10 min)
+#                                            # decoding tests (GPU 3) (~7 min)
 #   bash benchmarks/gpu_session.sh check-x4  # 4 GPUs: 70B fsdp=4 at 4 x 2,048, then the compiled kernel
 #                                            # suite of `tests` over GPUs 0-2 beside Gemma 3 1B decode (~9.5 min)
 # Carry `.whl` (bitsandbytes and flatbuffers wheels, see docs/benchmarks.md). Results land in $OUT.
@@ -163,7 +164,6 @@ case "${1:-tests}" in
     (timeout 200 $dp --shape 1b --variants default,xla_norm,einsum_attention,lora
      timeout 150 $dp --shape 8b --variants default,xla_norm
      timeout 150 $dp --shape 8b --prompt 2048 --variants default,einsum_attention
-     timeout 150 $dp --shape gemma3-1b --variants default,kernel_norm
      ) > "$OUT/decode.log" 2>&1
     grep -v "^    " "$OUT/decode.log" | cut -c1-240 ;;
   surogate)
@@ -185,11 +185,9 @@ case "${1:-tests}" in
      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 --tb=short -rf \
        tests/kernels/test_decode_attention.py tests/kernels/test_rms_norm.py tests/models/test_decode_layers.py \
        tests/models/test_rollout.py tests/models/test_gemma.py tests/models/test_moe.py \
-       -k "generat or decode or rollout or greedy or rms" > "$OUT/gpu_decode_tests.log" 2>&1
-     OUT=$OUT timeout 200 python3 -m benchmarks.profile.decode_profile --tokens 256 --timeout-s 95 \
-       --shape gemma3-1b --variants default,kernel_norm > "$OUT/decode_gemma.log" 2>&1) &
+       -k "generat or decode or rollout or greedy or rms" > "$OUT/gpu_decode_tests.log" 2>&1) &
     wait
-    for f in step_table product_1b product_8b decode_gemma; do echo "== $f"; grep -v "^    " "$OUT/$f.log" | tail -14 | cut -c1-240; done
+    for f in step_table product_1b product_8b; do echo "== $f"; grep -v "^    " "$OUT/$f.log" | tail -14 | cut -c1-240; done
     echo "== decode tests"; tail -6 "$OUT/gpu_decode_tests.log" ;;
   check-x4)
     # 70B on all four GPUs, then the compiled kernel suite of `tests` in three parts (GPUs 0-2) beside
