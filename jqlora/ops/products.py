@@ -60,6 +60,23 @@ def _variant(name: str):
     return registry.get(name)
 
 
+def run_kernel(fn, *operands, **settings):
+    """`fn(*operands, **settings)` as a jitted call: the settings (blocksize, dtypes, interpret,
+    threshold) static, the arrays (`nested` included) traced.
+
+    Identical products then share one trace and one lowered function wherever they sit in a
+    program: JAX caches a jitted function's trace by its input types, and lowering reuses a
+    trace it has lowered. A kernel that is not jitted is lowered anew at every call site: a
+    Gemma decoder scans each run of same-kind layers as a segment of its own, and Gemma 3 1B's
+    9 segments lowered 63 copies of 7 Mosaic GPU kernels, about 0.5 s each
+    (benchmarks/results/JOURNAL.md, 2026-11-29). Kernels that are jitted already (most Triton
+    ones) run as they are."""
+    if not hasattr(fn, "lower"):
+        static = tuple(name for name, value in settings.items() if not isinstance(value, (tuple, jax.Array)))
+        fn = jax.jit(fn, static_argnames=static)
+    return fn(*operands, **settings)
+
+
 def after(activation: jax.Array, q):
     """`q`, usable only once `activation` exists.
 
@@ -82,8 +99,8 @@ def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "
 
             return int8_reference.llm_int8_matmul_reference(x, q.cb, q.scb,
                                                             threshold=q.threshold).astype(out_dtype)
-        return _variant(plan.fwd).fn(x, q.cb, q.scb, threshold=q.threshold, out_dtype=out_dtype,
-                                     interpret=plan.interpret)
+        return run_kernel(_variant(plan.fwd).fn, x, q.cb, q.scb, threshold=q.threshold, out_dtype=out_dtype,
+                          interpret=plan.interpret)
     if plan.backend == "xla":
         return dot_nt(x, dequantize(q, x.dtype)).astype(out_dtype)
     variant = _variant(plan.fwd)
@@ -91,11 +108,12 @@ def forward_product(plan: Plan, x: jax.Array, q, *, out_dtype, numerics: str = "
     if isinstance(q, Weight4bit):
         if q.nested and variant.accepts_nested:
             packed, codes, nested = nested_kernel_operands_4bit(q)
-            return fn(x, packed, codes, q.code, blocksize=q.blocksize, out_dtype=out_dtype,
-                      interpret=plan.interpret, nested=nested)
+            return run_kernel(fn, x, packed, codes, q.code, blocksize=q.blocksize, out_dtype=out_dtype,
+                              interpret=plan.interpret, nested=nested)
         packed, absmax = kernel_operands_4bit(q)
-        return fn(x, packed, absmax, q.code, blocksize=q.blocksize, out_dtype=out_dtype, interpret=plan.interpret)
-    return fn(x, q.cb, q.scb, out_dtype=out_dtype, interpret=plan.interpret)
+        return run_kernel(fn, x, packed, absmax, q.code, blocksize=q.blocksize, out_dtype=out_dtype,
+                          interpret=plan.interpret)
+    return run_kernel(fn, x, q.cb, q.scb, out_dtype=out_dtype, interpret=plan.interpret)
 
 
 def backward_product(plan: Plan, dy: jax.Array, q, *, out_dtype) -> jax.Array:
@@ -106,5 +124,6 @@ def backward_product(plan: Plan, dy: jax.Array, q, *, out_dtype) -> jax.Array:
     fn = _variant(plan.bwd).fn
     if isinstance(q, Weight4bit):
         packed, absmax = kernel_operands_4bit(q)
-        return fn(dy, packed, absmax, q.code, blocksize=q.blocksize, out_dtype=out_dtype, interpret=plan.interpret)
-    return fn(dy, q.cb, q.scb, out_dtype=out_dtype, interpret=plan.interpret)
+        return run_kernel(fn, dy, packed, absmax, q.code, blocksize=q.blocksize, out_dtype=out_dtype,
+                          interpret=plan.interpret)
+    return run_kernel(fn, dy, q.cb, q.scb, out_dtype=out_dtype, interpret=plan.interpret)

@@ -1,0 +1,70 @@
+"""The door into the kernels (`jqlora.ops.products`) lowers each distinct product once per
+program, however many places call it: a Gemma decoder scans each run of same-kind layers as a
+segment of its own, and a Mosaic GPU kernel lowered at every call site cost Gemma 3 1B's
+programs about 30 s of their compile (benchmarks/results/JOURNAL.md, 2026-11-29). Checked by
+lowering for CUDA on the CPU, as the Mosaic kernels' own tests do."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from jqlora import quant
+from jqlora.ops import products
+from jqlora.ops.dispatch import Plan
+
+N, K, BS = 256, 512, 64
+
+
+def _segments(x, q, plan, backward=False):
+    """Two layer segments, each a scan over its own closure (as `jqlora.models` builds them),
+    both running the same product."""
+    def segment(length, tag):
+        def body(carry, _):
+            if backward:
+                return carry, products.backward_product(plan, x, q, out_dtype=jnp.bfloat16) + tag
+            return carry, products.forward_product(plan, x, q, out_dtype=jnp.bfloat16) + tag
+        return lax.scan(body, 0, None, length=length)[1]
+    return segment(2, 0.0), segment(3, 1.0)
+
+
+def _lowered(m, rows, plan, backward=False) -> str:
+    w = jax.ShapeDtypeStruct((N, K), jnp.float32)
+    q = jax.eval_shape(lambda w: quant.quantize_4bit(w, "nf4", BS, True), w)
+    x = jax.ShapeDtypeStruct((m, rows), jnp.bfloat16)
+    try:
+        return jax.jit(lambda x, q: _segments(x, q, plan, backward)).trace(x, q).lower(
+            lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001
+        if "Unable to" in str(e) or "no CUDA" in str(e):  # pragma: no cover
+            pytest.skip(f"this jax cannot lower Mosaic GPU kernels without a GPU: {e}")
+        raise
+
+
+@pytest.mark.parametrize("variant,m", [("mgpu_mma_pair_table", 1), ("mgpu_decoded_wgmma", 16)])
+def test_a_product_called_from_two_segments_is_lowered_once(variant, m):
+    text = _lowered(m, K, Plan("pallas", fwd=variant))
+    # one kernel custom call in one shared function, called from both segments
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def test_the_backward_product_is_lowered_once_too():
+    text = _lowered(16, N, Plan("pallas", bwd="mgpu_decoded_wgmma_t"), backward=True)
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def test_a_jitted_kernel_runs_as_it_is(monkeypatch):
+    """Kernels that are jitted already are not wrapped again; the others are, with their
+    settings static and their arrays (a `nested` tuple included) traced."""
+    seen = []
+
+    def kernel(x, w, *, scale, nested=None):
+        seen.append((type(x).__name__, scale, type(nested[0]).__name__))
+        return x * scale + nested[0]
+
+    out = jax.jit(lambda x: products.run_kernel(kernel, x, x, scale=2.0, nested=(x,)))(jnp.ones(3))
+    assert out.tolist() == [3.0, 3.0, 3.0]
+    assert seen == [("DynamicJaxprTracer", 2.0, "DynamicJaxprTracer")]
+    jitted = jax.jit(lambda x, w: x + w)
+    assert products.run_kernel(jitted, jnp.ones(2), jnp.ones(2)).tolist() == [2.0, 2.0]
