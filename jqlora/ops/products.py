@@ -68,9 +68,9 @@ def run_kernel(fn, *operands, **settings):
     program: JAX caches a jitted function's trace by its input types, and lowering reuses a
     trace it has lowered. A kernel that is not jitted is lowered anew at every call site: a
     Gemma decoder scans each run of same-kind layers as a segment of its own, and Gemma 3 1B's
-    9 segments lowered 63 copies of 7 Mosaic GPU kernels, about 0.5 s each
-    (benchmarks/results/JOURNAL.md, 2026-11-29). Kernels that are jitted already (most Triton
-    ones) run as they are."""
+    9 segments lowered 63 copies of 7 Mosaic GPU kernels, about 0.5 s each; its generation
+    programs compiled in 63-70 s, 21-22 s with this (benchmarks/results/JOURNAL.md,
+    2026-11-29). Kernels that are jitted already (most Triton ones) run as they are."""
     if not hasattr(fn, "lower"):
         static = tuple(name for name, value in settings.items() if not isinstance(value, (tuple, jax.Array)))
         fn = jax.jit(fn, static_argnames=static)

@@ -1,8 +1,9 @@
 """The door into the kernels (`jqlora.ops.products`) lowers each distinct product once per
 program, however many places call it: a Gemma decoder scans each run of same-kind layers as a
-segment of its own, and a Mosaic GPU kernel lowered at every call site cost Gemma 3 1B's
-programs about 30 s of their compile (benchmarks/results/JOURNAL.md, 2026-11-29). Checked by
-lowering for CUDA on the CPU, as the Mosaic kernels' own tests do."""
+segment of its own, and with a Mosaic GPU kernel lowered at every call site Gemma 3 1B's
+generation programs took 63-70 s to compile, 21-22 s with one lowering a product
+(benchmarks/results/JOURNAL.md, 2026-11-29). Checked by lowering for CUDA on the CPU, as the
+Mosaic kernels' own tests do."""
 from __future__ import annotations
 
 import jax
