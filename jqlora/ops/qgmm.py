@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jqlora.ops.dispatch import Plan
 from jqlora.ops.grouped_dispatch import choose_grouped_plan
-from jqlora.ops.products import acc_dtype, after, precision
+from jqlora.ops.products import acc_dtype, after, precision, run_kernel
 from jqlora.quant import ExpertWeights, Weight4bit, absmax_f32, dequantize_experts
 
 # y = x @ W_e.T: contract x's K (dim 1) with the stack's K (dim 2); dx = dy @ W_e: dy's N with dim 1
@@ -80,10 +80,10 @@ def _product(plan: Plan, a, gs, experts, *, transpose: bool, out_dtype):
     v = registry.get(name)
     if v.op.startswith("grouped_matmul_4bit"):
         packed, absmax, code = kernel_operands(experts)
-        return v.fn(a, gs, packed, absmax, code, blocksize=experts.blocksize, out_dtype=out_dtype,
-                    interpret=plan.interpret)
+        return run_kernel(v.fn, a, gs, packed, absmax, code, blocksize=experts.blocksize, out_dtype=out_dtype,
+                          interpret=plan.interpret)
     w = _dequantize_for_kernel(experts, a.dtype, plan.interpret)  # a transient pass, then the kernel
-    return v.fn(a, gs, w, out_dtype=out_dtype, interpret=plan.interpret)
+    return run_kernel(v.fn, a, gs, w, out_dtype=out_dtype, interpret=plan.interpret)
 
 
 def _dequantize_for_kernel(experts: ExpertWeights, dtype, interpret: bool):
@@ -96,8 +96,8 @@ def _dequantize_for_kernel(experts: ExpertWeights, dtype, interpret: bool):
 
     e, n, k = experts.shape
     packed, absmax, code = kernel_operands(experts)
-    w = registry.get("dequant_tiled").fn(packed.reshape(e * n, k // 2), absmax.reshape(e * n, -1), code,
-                                         blocksize=experts.blocksize, out_dtype=dtype, interpret=interpret)
+    w = run_kernel(registry.get("dequant_tiled").fn, packed.reshape(e * n, k // 2), absmax.reshape(e * n, -1),
+                   code, blocksize=experts.blocksize, out_dtype=dtype, interpret=interpret)
     return w.reshape(e, n, k)
 
 

@@ -69,3 +69,32 @@ def test_a_jitted_kernel_runs_as_it_is(monkeypatch):
     assert seen == [("DynamicJaxprTracer", 2.0, "DynamicJaxprTracer")]
     jitted = jax.jit(lambda x, w: x + w)
     assert products.run_kernel(jitted, jnp.ones(2), jnp.ones(2)).tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("fwd", ["mgpu_grouped_dot_4bit", "mgpu_grouped_dot"])
+def test_a_grouped_product_called_from_two_segments_is_lowered_once(fwd):
+    """The experts' grouped products go through the same door (`jqlora.ops.qgmm`)."""
+    import importlib
+
+    qgmm = importlib.import_module("jqlora.ops.qgmm")  # the module (jqlora.ops re-exports its function)
+    e, n, k = 4, 256, 256
+    w = jax.ShapeDtypeStruct((e, n, k), jnp.float32)
+    experts = jax.eval_shape(lambda w: quant.quantize_experts(w, "nf4", BS, True), w)
+    x = jax.ShapeDtypeStruct((64, k), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((e,), jnp.int32)
+    plan = Plan("pallas", fwd=fwd)
+
+    def program(x, gs, experts):
+        def segment(length, tag):
+            def body(carry, _):
+                return carry, qgmm._product(plan, x, gs, experts, transpose=True, out_dtype=jnp.bfloat16) + tag
+            return lax.scan(body, 0, None, length=length)[1]
+        return segment(2, 0.0), segment(3, 1.0)
+
+    try:
+        text = jax.jit(program).trace(x, gs, experts).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as err:  # noqa: BLE001
+        if "Unable to" in str(err) or "no CUDA" in str(err):  # pragma: no cover
+            pytest.skip(f"this jax cannot lower Mosaic GPU kernels without a GPU: {err}")
+        raise
+    assert text.count("custom_call @mosaic_gpu") == 1
