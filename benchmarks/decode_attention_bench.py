@@ -13,7 +13,6 @@ Random bf16 caches of the shape's layers and heads (1b: 16 layers, 32 heads over
 from __future__ import annotations
 
 import argparse
-import json
 
 SHAPES = {"1b": dict(layers=16, heads=32, kv_heads=8, head_dim=64),
           "8b": dict(layers=32, heads=32, kv_heads=8, head_dim=128),
@@ -31,7 +30,7 @@ def bench(shapes, slots, batches, configs, log=print) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.timing import timed_us
+    from benchmarks.timing import timed_rows
     from jqlora.models.attention import einsum_attention
     from pallas_kernels.triton.decode_attention import block_slots, decode_attention, default_splits
 
@@ -59,16 +58,13 @@ def bench(shapes, slots, batches, configs, log=print) -> list[dict]:
                 args = (q, cache, cache + 1, layer, index, q_seg, k_seg)
                 interp = jax.default_backend() != "gpu"  # interpret mode: a CPU smoke run
                 bs = block_slots(s, d)
-                contenders = [("einsum", {}, einsum),
-                              (f"kernel default (block_s={bs}, splits={default_splits(b, kvh, -(-s // bs))})", {},
+                contenders = [("einsum", einsum),
+                              (f"kernel default (block_s={bs}, splits={default_splits(b, kvh, -(-s // bs))})",
                                lambda *a: decode_attention(*a, scale=scale, interpret=interp))]
-                for cfg in configs:
-                    contenders.append((f"kernel {cfg}", cfg,
-                                       lambda *a, cfg=cfg: decode_attention(*a, scale=scale, interpret=interp, **cfg)))
-                for label, cfg, fn in contenders:
-                    row = {"shape": name, "slots": s, "batch": b, "contender": label, **timed_us(fn, *args)}
-                    log(json.dumps(row))
-                    rows.append(row)
+                contenders += [(f"kernel {cfg}",
+                                lambda *a, cfg=cfg: decode_attention(*a, scale=scale, interpret=interp, **cfg))
+                               for cfg in configs]
+                rows += timed_rows(contenders, args, {"shape": name, "slots": s, "batch": b}, log)
     return rows
 
 

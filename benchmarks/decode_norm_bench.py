@@ -12,7 +12,6 @@ kernel. Writes <out>/<gpu>-<date>_decode_norm.json with device, date, commit and
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def parse_configs(text: str | None) -> list[dict]:
@@ -26,7 +25,7 @@ def bench(widths, rows, configs, log=print) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.timing import timed_us
+    from benchmarks.timing import timed_rows
     from jqlora.models.llama import RMSNorm
     from pallas_kernels.triton.rms_norm import rms_norm
 
@@ -48,10 +47,7 @@ def bench(widths, rows, configs, log=print) -> list[dict]:
                           ("kernel default", lambda *a: rms_norm(*a, eps=1e-5, interpret=interp))]
             contenders += [(f"kernel {cfg}", lambda *a, cfg=cfg: rms_norm(*a, eps=1e-5, interpret=interp, **cfg))
                            for cfg in configs]
-            for label, fn in contenders:
-                row = {"width": n, "rows": m, "contender": label, **timed_us(fn, x, delta, weight)}
-                log(json.dumps(row))
-                out.append(row)
+            out += timed_rows(contenders, (x, delta, weight), {"width": n, "rows": m}, log)
     return out
 
 

@@ -55,14 +55,14 @@ PROMPT = [5 + (7 * i) % 26 for i in range(16)]  # 16 letter tokens of the charac
 # seconds each part may take at most (the run's remaining budget cuts them further)
 LIMITS = {"checkpoint": 150, "train": 240, "generate": 200, "torch_train": 200, "torch_generate": 150,
           "decode": 150}
-# the 8B checkpoint writes 16 GB of dense weights, reads them back through bitsandbytes' quantization
-# and writes 5.7 GB: more than the 1B's limit
-CHECKPOINT_LIMITS = {"8b": 330}
+# where a shape needs longer: the 8B checkpoint writes 16 GB of dense weights, reads them back
+# through bitsandbytes' quantization and writes 5.7 GB
+SHAPE_LIMITS = {("checkpoint", "8b"): 330}
 
 
 def part_limit(kind: str, shape: str) -> float:
     """Seconds a part of `kind` may take at `shape` (before the run's budget cuts it)."""
-    return CHECKPOINT_LIMITS.get(shape, LIMITS[kind]) if kind == "checkpoint" else LIMITS[kind]
+    return SHAPE_LIMITS.get((kind, shape), LIMITS[kind])
 
 
 # ------------------------------------------------------------------------------------ children

@@ -69,6 +69,18 @@ def timed_us(fn, *args) -> dict:
         return {"error": f"{type(err).__name__}: {str(err)[:200]}"}
 
 
+def timed_rows(contenders, args, base: dict, log=print) -> list[dict]:
+    """One row per (label, fn) contender: `base`, the label and `timed_us(fn, *args)`, each logged
+    as a JSON line as it is measured (the sweeps' rows)."""
+    import json
+
+    rows = []
+    for label, fn in contenders:
+        rows.append({**base, "contender": label, **timed_us(fn, *args)})
+        log(json.dumps(rows[-1]))
+    return rows
+
+
 def us_per_product(fn, args, copies: int, iterations: int = 10):
     """Device µs per product of a call that runs `copies` products, or the error text when the
     config does not compile (for sweeps, a failing config is a result too)."""

@@ -24,8 +24,14 @@ def lower_for_cuda(kernel, m, n, k, bs, dtype=jnp.bfloat16, nested=True, **kw) -
         return kernel(x, q.packed.reshape(n, k // 2), absmax, q.code, blocksize=bs, nested=nest,
                       **kw)
 
+    return lower_text_for_cuda(f, x, q)
+
+
+def lower_text_for_cuda(f, *args) -> str:
+    """StableHLO text of `jax.jit(f)` on `args` (arrays or ShapeDtypeStructs) lowered for CUDA;
+    skips where this jax cannot lower Mosaic GPU kernels without a GPU."""
     try:
-        return jax.jit(f).trace(x, q).lower(lowering_platforms=("cuda",)).as_text()
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     except Exception as e:  # noqa: BLE001
         if "Unable to" in str(e) or "no CUDA" in str(e):  # pragma: no cover
             pytest.skip(f"this jax cannot lower Mosaic GPU kernels without a GPU: {e}")
